@@ -1,0 +1,237 @@
+/* pagedkv/attention.h -- paged attention entry points.
+ *
+ * attn_impl.h is instantiated here for f32 and f64 and for each instruction
+ * set: scalar always; AVX2+FMA and AVX-512 on x86-64 through per-function
+ * target pragmas, so the build needs no -m flags.  pkv_decode / pkv_prefill
+ * dispatch on (dtype, simd level) chosen by the caller at run time.
+ */
+#pragma once
+#include <math.h>
+#include "layout.h"
+#include "simd.h"
+
+#ifndef restrict
+#define restrict __restrict__
+#endif
+
+/* Query rows handled together against one kv head (GQA group x query tile). */
+#define PKV_MAX_ROWS 64
+
+typedef struct {
+    const void *cos, *sin; /* [max_pos][half], cache dtype */
+    int64_t max_pos;
+    int half; /* rotary_dim / 2 */
+} pkv_rope;
+
+typedef struct {
+    const void *k, *v;            /* one layer: [num_blocks][hkv][bs][d] */
+    int bs, hkv, hq, d;
+    int64_t nseq;                 /* decode: batch; prefill: 1 */
+    const int32_t *const *tables; /* per sequence */
+    const pkv_segs *segs;         /* per sequence */
+    const void *q;                /* [nseq or nq][hq][d] */
+    void *out;                    /* same shape as q */
+    int64_t nq;                   /* prefill: query tokens (the newest held) */
+    double scale;
+    const pkv_rope *rope;         /* NULL: keys and queries used as given */
+    void *scratch;                /* nthreads * scratch_stride bytes, 64-aligned */
+    size_t scratch_stride;
+    int nthreads;
+} pkv_attn_args;
+
+/* Bytes of scratch one thread needs. */
+static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
+    const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
+    return PKV_ALIGN_UP(3 * 8 * PKV_MAX_ROWS) + 2 * PKV_ALIGN_UP(nqd) +
+           PKV_ALIGN_UP((size_t)bs * itemsize) + PKV_ALIGN_UP((size_t)bs * d * itemsize);
+}
+
+/* ---- scalar ------------------------------------------------------------- */
+#define VEC T
+#define W 1
+#define VLOAD(p) (*(p))
+#define VSTORE(p, x) (*(p) = (x))
+#define VSET1(s) (s)
+#define VZERO() ((T)0)
+#define VADD(a, b) ((a) + (b))
+#define VMUL(a, b) ((a) * (b))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VREDUCE(x) (x)
+
+#define T float
+#define FN(name) name##_f32_scalar
+#include "attn_impl.h"
+#undef T
+#undef FN
+#define T double
+#define FN(name) name##_f64_scalar
+#include "attn_impl.h"
+#undef T
+#undef FN
+
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VMUL
+#undef VFMA
+#undef VREDUCE
+
+#if PKV_X86
+#include <immintrin.h>
+
+#if defined(__clang__)
+#define PKV_TARGET_BEGIN(s) _Pragma("clang attribute push(__attribute__((target(" #s "))), apply_to = function)")
+#define PKV_TARGET_END _Pragma("clang attribute pop")
+#else
+#define PKV_TARGET_BEGIN(s) _Pragma("GCC push_options") _Pragma(PKV_STR(GCC target(s)))
+#define PKV_TARGET_END _Pragma("GCC pop_options")
+#endif
+#define PKV_STR(x) #x
+
+/* ---- AVX2 + FMA --------------------------------------------------------- */
+PKV_TARGET_BEGIN("avx2,fma")
+static inline float pkv_hsum256_ps(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline double pkv_hsum256_pd(__m256d x) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VEC __m256
+#define W 8
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps(p, x)
+#define VSET1(s) _mm256_set1_ps(s)
+#define VZERO() _mm256_setzero_ps()
+#define VREDUCE(x) pkv_hsum256_ps(x)
+#define T float
+#define FN(name) name##_f32_avx2
+#include "attn_impl.h"
+#undef T
+#undef FN
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VMUL
+#undef VFMA
+#undef VREDUCE
+#define VADD(a, b) _mm256_add_pd(a, b)
+#define VMUL(a, b) _mm256_mul_pd(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define VEC __m256d
+#define W 4
+#define VLOAD(p) _mm256_loadu_pd(p)
+#define VSTORE(p, x) _mm256_storeu_pd(p, x)
+#define VSET1(s) _mm256_set1_pd(s)
+#define VZERO() _mm256_setzero_pd()
+#define VREDUCE(x) pkv_hsum256_pd(x)
+#define T double
+#define FN(name) name##_f64_avx2
+#include "attn_impl.h"
+#undef T
+#undef FN
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VMUL
+#undef VFMA
+#undef VREDUCE
+PKV_TARGET_END
+
+/* ---- AVX-512 (F, DQ, BW, VL) ------------------------------------------- */
+PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VEC __m512
+#define W 16
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, x) _mm512_storeu_ps(p, x)
+#define VSET1(s) _mm512_set1_ps(s)
+#define VZERO() _mm512_setzero_ps()
+#define VREDUCE(x) _mm512_reduce_add_ps(x)
+#define T float
+#define FN(name) name##_f32_avx512
+#include "attn_impl.h"
+#undef T
+#undef FN
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VMUL
+#undef VFMA
+#undef VREDUCE
+#define VADD(a, b) _mm512_add_pd(a, b)
+#define VMUL(a, b) _mm512_mul_pd(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
+#define VEC __m512d
+#define W 8
+#define VLOAD(p) _mm512_loadu_pd(p)
+#define VSTORE(p, x) _mm512_storeu_pd(p, x)
+#define VSET1(s) _mm512_set1_pd(s)
+#define VZERO() _mm512_setzero_pd()
+#define VREDUCE(x) _mm512_reduce_add_pd(x)
+#define T double
+#define FN(name) name##_f64_avx512
+#include "attn_impl.h"
+#undef T
+#undef FN
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VMUL
+#undef VFMA
+#undef VREDUCE
+PKV_TARGET_END
+#endif /* PKV_X86 */
+
+typedef void (*pkv_attn_fn)(const pkv_attn_args *);
+
+/* dtype: 0 = f32, 1 = f64; simd: PKV_SIMD_* (must be supported). */
+static inline pkv_attn_fn pkv_pick(int is_prefill, int dtype, int simd) {
+#if PKV_X86
+    if (simd == PKV_SIMD_AVX512)
+        return is_prefill ? (dtype ? prefill_f64_avx512 : prefill_f32_avx512)
+                          : (dtype ? decode_f64_avx512 : decode_f32_avx512);
+    if (simd == PKV_SIMD_AVX2)
+        return is_prefill ? (dtype ? prefill_f64_avx2 : prefill_f32_avx2)
+                          : (dtype ? decode_f64_avx2 : decode_f32_avx2);
+#endif
+    (void)simd;
+    return is_prefill ? (dtype ? prefill_f64_scalar : prefill_f32_scalar)
+                      : (dtype ? decode_f64_scalar : decode_f32_scalar);
+}
+
+static inline void pkv_decode(const pkv_attn_args *a, int dtype, int simd) {
+    pkv_pick(0, dtype, simd)(a);
+}
+static inline void pkv_prefill(const pkv_attn_args *a, int dtype, int simd) {
+    pkv_pick(1, dtype, simd)(a);
+}

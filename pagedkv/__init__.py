@@ -1,0 +1,28 @@
+"""pagedkv: a paged KV cache with paged attention for CPU LLM inference."""
+from pagedkv._core import (
+    OutOfBlocksError,
+    get_num_threads,
+    has_openmp,
+    set_num_threads,
+    simd_backend,
+    simd_supported,
+)
+from pagedkv._version import __version__
+from pagedkv.cache import PagedKVCache
+from pagedkv.rope import RoPE
+from pagedkv.stats import CacheStats
+from pagedkv.streaming import StreamingLLM
+
+__all__ = [
+    "CacheStats",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "RoPE",
+    "StreamingLLM",
+    "__version__",
+    "get_num_threads",
+    "has_openmp",
+    "set_num_threads",
+    "simd_backend",
+    "simd_supported",
+]

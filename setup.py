@@ -1,0 +1,83 @@
+"""Build of the pagedkv extension.
+
+Portable flags only: no -march=native and no -mavx2 (the SIMD paths are chosen
+at run time, see include/pagedkv/simd.h).  OpenMP is used when the compiler
+accepts it; without it the kernels run single-threaded.
+
+Environment:
+  PAGEDKV_DEBUG=1    -O0 -g and Cython bounds checks back on
+  PAGEDKV_OPENMP=0   build without OpenMP
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") not in ("", "0")
+
+
+def _compiler_accepts(compiler, flags):
+    """True when `compiler` compiles and links an OpenMP program with `flags`."""
+    tmp = tempfile.mkdtemp()
+    try:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n")
+        cmd = list(compiler) + flags + [src, "-o", os.path.join(tmp, "t")] + flags
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        unix = self.compiler.compiler_type == "unix"
+        openmp = []
+        if os.environ.get("PAGEDKV_OPENMP", "1") != "0":
+            if unix and _compiler_accepts(self.compiler.compiler_so[:1], ["-fopenmp"]):
+                openmp = ["-fopenmp"]
+            elif self.compiler.compiler_type == "msvc":
+                openmp = ["/openmp"]
+        if not openmp:
+            print("pagedkv: building without OpenMP (kernels run single-threaded)", file=sys.stderr)
+        for ext in self.extensions:
+            if unix:
+                opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+                ext.extra_compile_args = opt + ["-std=c11", "-fno-strict-aliasing",
+                                                "-Wno-unused-function"] + openmp
+                ext.extra_link_args = list(openmp)
+            else:
+                ext.extra_compile_args = ["/O2"] + openmp
+        super().build_extensions()
+
+
+ext = Extension(
+    "pagedkv._core",
+    ["pagedkv/_core.pyx"],
+    include_dirs=["include", np.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    depends=[os.path.join("include", "pagedkv", f) for f in
+             ("simd.h", "layout.h", "attention.h", "attn_impl.h")],
+)
+
+setup(
+    ext_modules=cythonize(
+        [ext],
+        compiler_directives={
+            "language_level": 3,
+            "boundscheck": DEBUG,
+            "wraparound": False,
+            "cdivision": True,
+            "embedsignature": True,
+        },
+    ),
+    cmdclass={"build_ext": BuildExt},
+)

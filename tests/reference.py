@@ -1,0 +1,250 @@
+"""Plain NumPy reference for the pagedkv tests (a helper module, not a test file).
+
+Everything here is written against the public contract in ``shared/design.md`` §2 only:
+
+* ``ref_attention`` is a direct, unoptimised attention computed in float64.
+* ``TOL`` is the tolerance table.  For a cache of dtype ``T`` the kernels must match the reference
+  with ``rtol = TOL[T]`` and ``atol = rtol * max(|v|)`` where ``v`` are the values the queries read
+  (the absolute part covers outputs that are near zero because positive and negative values cancel).
+  Use :func:`assert_attention_close`, which applies exactly that rule.
+* ``build_random_cache`` fills a fresh cache with random tokens in interleaved chunks and returns a
+  model of what was appended, so a test can compare ``gather`` / ``attend`` against it.
+* ``snapshot`` / ``assert_unchanged`` capture everything observable about a cache, to check that a
+  call that raised left it as it was.
+"""
+
+import math
+
+import numpy as np
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+def tol_for(dtype):
+    """rtol for a cache dtype given as a string, numpy type or numpy dtype."""
+    return TOL[np.dtype(dtype).type]
+
+
+def blocks_for(length, block_size):
+    """Blocks needed to hold ``length`` tokens (no eviction)."""
+    return -(-int(length) // int(block_size))
+
+
+def ref_attention(q, k, v, scale, causal_offset):
+    """Reference attention, computed in float64.
+
+    Args:
+        q: [n, Hq, D] queries.
+        k, v: [L, Hkv, D] keys and values, Hq % Hkv == 0.  Query head h reads KV head
+            h // (Hq // Hkv) (the KV heads are repeated, as GQA/MQA do).
+        scale: multiplier of the dot products.
+        causal_offset: query i (0-based) attends to keys 0 .. causal_offset + i inclusive.  For
+            ``attend`` with n queries over a sequence of L tokens this is L - n; for one decode query
+            at the newest token it is L - 1.
+
+    Returns:
+        [n, Hq, D] float64.
+    """
+    q64 = np.asarray(q, dtype=np.float64)
+    k64 = np.asarray(k, dtype=np.float64)
+    v64 = np.asarray(v, dtype=np.float64)
+    n, hq, d = q64.shape
+    length, hkv, d_k = k64.shape
+    assert d == d_k and v64.shape == k64.shape
+    assert hq % hkv == 0, (hq, hkv)
+    assert 0 <= causal_offset and causal_offset + n <= length, (causal_offset, n, length)
+    group = hq // hkv
+    k_rep = np.repeat(k64, group, axis=1)  # [L, Hq, D]: column h holds KV head h // group
+    v_rep = np.repeat(v64, group, axis=1)
+    scores = np.einsum("nhd,lhd->hnl", q64, k_rep) * float(scale)  # [Hq, n, L]
+    rows = np.arange(n)[:, None]
+    cols = np.arange(length)[None, :]
+    allowed = cols <= causal_offset + rows  # [n, L]
+    scores = np.where(allowed[None, :, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hnl,lhd->nhd", weights, v_rep)
+
+
+def assert_attention_close(actual, expected, dtype, values, err_msg=""):
+    """Compare with rtol = TOL[dtype] and atol = rtol * max(|values|)."""
+    rtol = tol_for(dtype)
+    vmax = float(np.max(np.abs(np.asarray(values, dtype=np.float64)))) if np.size(values) else 1.0
+    atol = rtol * max(vmax, np.finfo(np.float64).tiny)
+    np.testing.assert_allclose(
+        np.asarray(actual, dtype=np.float64), expected, rtol=rtol, atol=atol, err_msg=err_msg
+    )
+
+
+def random_tokens(rng, n, heads, head_dim, dtype):
+    """Standard-normal [n, heads, D] array already in ``dtype`` (so what is stored is exact)."""
+    return rng.standard_normal((n, heads, head_dim)).astype(np.dtype(dtype))
+
+
+class SeqModel:
+    """What was appended to one sequence, per layer: ``k[layer]`` and ``v[layer]`` are [len, Hkv, D]."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype):
+        empty = np.zeros((0, num_kv_heads, head_dim), dtype=np.dtype(dtype))
+        self.k = [empty.copy() for _ in range(num_layers)]
+        self.v = [empty.copy() for _ in range(num_layers)]
+
+    def __len__(self):
+        return self.k[0].shape[0]
+
+    def copy(self):
+        other = SeqModel.__new__(SeqModel)
+        other.k = [a.copy() for a in self.k]
+        other.v = [a.copy() for a in self.v]
+        return other
+
+    def extend(self, layer, k, v):
+        """Layer 0 grows the sequence; layer l > 0 overwrites the newest n positions."""
+        n = k.shape[0]
+        if layer == 0:
+            self.k[0] = np.concatenate([self.k[0], k])
+            self.v[0] = np.concatenate([self.v[0], v])
+        else:
+            length = len(self)
+            base_k = self.k[layer]
+            base_v = self.v[layer]
+            if base_k.shape[0] < length:  # positions not written on this layer yet
+                pad = np.zeros((length - base_k.shape[0],) + base_k.shape[1:], base_k.dtype)
+                base_k = np.concatenate([base_k, pad])
+                base_v = np.concatenate([base_v, pad])
+            base_k = base_k[:length].copy()
+            base_v = base_v[:length].copy()
+            base_k[length - n:] = k
+            base_v[length - n:] = v
+            self.k[layer] = base_k
+            self.v[layer] = base_v
+
+    def truncate(self, length):
+        self.k = [a[:length].copy() for a in self.k]
+        self.v = [a[:length].copy() for a in self.v]
+
+
+def append_step(cache, model, sid, rng, n, num_layers, num_kv_heads, head_dim, dtype):
+    """One model step for one sequence: append n random tokens on every layer, layer 0 first."""
+    for layer in range(num_layers):
+        k = random_tokens(rng, n, num_kv_heads, head_dim, dtype)
+        v = random_tokens(rng, n, num_kv_heads, head_dim, dtype)
+        cache.append(sid, k, v, layer=layer)
+        model.extend(layer, k, v)
+
+
+def build_random_cache(
+    rng,
+    *,
+    lengths,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    num_layers=1,
+    dtype="float32",
+    num_blocks=None,
+    spare_blocks=3,
+    max_chunk=None,
+    **cache_kwargs,
+):
+    """A fresh cache holding one sequence per entry of ``lengths``, filled with random tokens.
+
+    Chunks of random size (1..max_chunk) are appended to randomly chosen sequences, so the
+    sequences' blocks interleave in the pool.  Each chunk is written on every layer (layer 0 first).
+
+    Returns:
+        (cache, sids, models): ``models[sid]`` is a :class:`SeqModel` of what was appended.
+    """
+    import pagedkv
+
+    dtype = np.dtype(dtype)
+    if num_blocks is None:
+        num_blocks = sum(blocks_for(length, block_size) for length in lengths) + spare_blocks
+    if max_chunk is None:
+        max_chunk = max(1, 2 * block_size + 1)
+    cache = pagedkv.PagedKVCache(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_layers=num_layers,
+        dtype=dtype.name,
+        **cache_kwargs,
+    )
+    sids = [cache.add_sequence() for _ in lengths]
+    models = {sid: SeqModel(num_layers, num_kv_heads, head_dim, dtype) for sid in sids}
+    remaining = dict(zip(sids, lengths))
+    while True:
+        active = [sid for sid in sids if remaining[sid] > 0]
+        if not active:
+            break
+        sid = active[int(rng.integers(len(active)))]
+        n = int(rng.integers(1, min(max_chunk, remaining[sid]) + 1))
+        append_step(cache, models[sid], sid, rng, n, num_layers, num_kv_heads, head_dim, dtype)
+        remaining[sid] -= n
+    return cache, sids, models
+
+
+def mid_block_length(rng, block_size, max_blocks):
+    """A random length that ends inside a block (when block_size > 1), spanning 1..max_blocks blocks."""
+    full = int(rng.integers(0, max_blocks))
+    if block_size == 1:
+        return full + 1
+    return full * block_size + int(rng.integers(1, block_size))
+
+
+def snapshot(cache, sids, layers=(0,)):
+    """Everything observable about ``sids`` and the pool (for atomicity checks)."""
+    stats = cache.stats()
+    state = {
+        "num_free_blocks": cache.num_free_blocks,
+        "stats": (stats.blocks_total, stats.blocks_free, stats.blocks_used, stats.cow_copies, stats.forks),
+        "seqs": {},
+    }
+    for sid in sids:
+        gathered = []
+        for layer in layers:
+            k, v = cache.gather(sid, layer=layer)
+            gathered.append((np.array(k, copy=True), np.array(v, copy=True)))
+        state["seqs"][sid] = (
+            cache.seq_len(sid),
+            np.array(cache.kept_positions(sid), copy=True),
+            gathered,
+        )
+    return state
+
+
+def assert_unchanged(cache, before, layers=(0,)):
+    after = snapshot(cache, list(before["seqs"]), layers)
+    assert after["num_free_blocks"] == before["num_free_blocks"]
+    assert after["stats"] == before["stats"]
+    for sid, (length, kept, gathered) in before["seqs"].items():
+        length2, kept2, gathered2 = after["seqs"][sid]
+        assert length2 == length, (sid, length, length2)
+        np.testing.assert_array_equal(kept2, kept)
+        for (k, v), (k2, v2) in zip(gathered, gathered2):
+            assert k2.shape == k.shape and v2.shape == v.shape
+            np.testing.assert_array_equal(k2, k)
+            np.testing.assert_array_equal(v2, v)
+
+
+def check_against_model(cache, sid, model, num_layers):
+    """gather / seq_len / kept_positions agree exactly with a SeqModel."""
+    length = len(model)
+    assert cache.seq_len(sid) == length
+    kept = np.asarray(cache.kept_positions(sid))
+    assert kept.dtype == np.int64
+    np.testing.assert_array_equal(kept, np.arange(length, dtype=np.int64))
+    for layer in range(num_layers):
+        k, v = cache.gather(sid, layer=layer)
+        assert k.dtype == cache.dtype and v.dtype == cache.dtype
+        assert k.shape == model.k[layer].shape, (k.shape, model.k[layer].shape)
+        assert v.shape == model.v[layer].shape
+        assert k.flags.c_contiguous and v.flags.c_contiguous
+        np.testing.assert_array_equal(k, model.k[layer])
+        np.testing.assert_array_equal(v, model.v[layer])
+
+
+def math_scale(head_dim):
+    return 1.0 / math.sqrt(head_dim)
