@@ -51,3 +51,4 @@ cdef extern from "pagedkv/attention.h" nogil:
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     void pkv_decode(const pkv_attn_args *a, int dtype, int simd)
     void pkv_prefill(const pkv_attn_args *a, int dtype, int simd)
+    double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)

@@ -1108,3 +1108,28 @@ cdef class CacheCore:
         return dict(a0=s.a0, a1=s.a1, b0=s.b0, b1=s.b1, off0=self.off0[slot],
                     off1=self.off1[slot], table=self.block_table(sid).tolist())
 
+
+
+def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
+    """Measure memory read bandwidth (bytes/s, best of `repeats`) with the core's
+    SIMD read kernel over a buffer of `nbytes` (should be well above the L3 size)."""
+    import time
+    cdef int nt = get_num_threads() if threads is None else int(threads)
+    if nt < 1:
+        raise ValueError(f"threads must be >= 1, got {nt}")
+    buf = np.ones(max(int(nbytes) // 4, 1024), dtype=np.float32)
+    cdef const void *p = cnp.PyArray_DATA(buf)
+    cdef size_t n = buf.size
+    cdef double s
+    best = 0.0
+    with nogil:
+        s = pkv_read_sum(p, n, 0, _simd, nt)  # warm: pages resident, threads up
+    for _ in range(int(repeats)):
+        t0 = time.perf_counter()
+        with nogil:
+            s = pkv_read_sum(p, n, 0, _simd, nt)
+        dt = time.perf_counter() - t0
+        if s != <double>n:
+            raise RuntimeError("read kernel returned a wrong sum")
+        best = max(best, n * 4 / dt)
+    return best

@@ -235,3 +235,23 @@ static inline void pkv_decode(const pkv_attn_args *a, int dtype, int simd) {
 static inline void pkv_prefill(const pkv_attn_args *a, int dtype, int simd) {
     pkv_pick(1, dtype, simd)(a);
 }
+
+/* Read n elements of p (dtype 0 = f32, 1 = f64) split over nthreads threads;
+ * returns their sum (so the reads cannot be optimized away). */
+static inline double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads) {
+    typedef double (*sum_fn)(const void *, size_t);
+    sum_fn f = dtype ? (sum_fn)stream_sum_f64_scalar : (sum_fn)stream_sum_f32_scalar;
+#if PKV_X86
+    if (simd == PKV_SIMD_AVX512) f = dtype ? (sum_fn)stream_sum_f64_avx512 : (sum_fn)stream_sum_f32_avx512;
+    else if (simd == PKV_SIMD_AVX2) f = dtype ? (sum_fn)stream_sum_f64_avx2 : (sum_fn)stream_sum_f32_avx2;
+#endif
+    const size_t item = dtype ? 8 : 4;
+    double total = 0.0;
+    int t;
+#pragma omp parallel for num_threads(nthreads) reduction(+ : total) schedule(static) if (nthreads > 1)
+    for (t = 0; t < nthreads; t++) {
+        const size_t lo = n * (size_t)t / (size_t)nthreads, hi = n * (size_t)(t + 1) / (size_t)nthreads;
+        total += f((const char *)p + lo * item, hi - lo);
+    }
+    return total;
+}

@@ -248,3 +248,20 @@ static void FN(prefill)(const pkv_attn_args *a) {
         FN(store_out)(a, t0, nt, h * g_all + g0, ng, sc.acc, sc.l);
     }
 }
+
+/* Sum of n elements, read once front to back with four independent vector
+ * accumulators: the read kernel `pagedkv bench` uses to measure the machine's
+ * memory read bandwidth with the same instructions as the attention loops. */
+static double FN(stream_sum)(const T *restrict p, size_t n) {
+    VEC s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
+    size_t i = 0;
+    for (; i + 4 * W <= n; i += 4 * W) {
+        s0 = VADD(s0, VLOAD(p + i));
+        s1 = VADD(s1, VLOAD(p + i + W));
+        s2 = VADD(s2, VLOAD(p + i + 2 * W));
+        s3 = VADD(s3, VLOAD(p + i + 3 * W));
+    }
+    double s = (double)VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
+    for (; i < n; i++) s += p[i];
+    return s;
+}
