@@ -1089,6 +1089,13 @@ cdef class CacheCore:
         cdef int64_t S = _positive_int("sink_tokens", sink_tokens, 0)
         cdef int64_t R = _positive_int("window_tokens", window_tokens, 0)
         cdef int64_t before = self.n_free
+        cdef int64_t total = self.segs[slot].b1 + self.off1[slot], l
+        for l in range(self.num_layers):
+            # a pending layer append writes the newest step_n slots: they must not move
+            if self.written[slot * self.num_layers + l] != total:
+                raise ValueError(
+                    f"cannot trim sequence {sid} in the middle of a step: layer {l} lacks "
+                    "its newest tokens (append them on every layer first)")
         p.segs = self.segs[slot]
         p.off0 = self.off0[slot]
         p.off1 = self.off1[slot]
