@@ -9,12 +9,15 @@ from pagedkv._core import (
 )
 from pagedkv._version import __version__
 from pagedkv.cache import PagedKVCache
+from pagedkv.eviction import EvictionRecord, EvictionStrategy
 from pagedkv.rope import RoPE
 from pagedkv.stats import CacheStats
 from pagedkv.streaming import StreamingLLM
 
 __all__ = [
     "CacheStats",
+    "EvictionRecord",
+    "EvictionStrategy",
     "OutOfBlocksError",
     "PagedKVCache",
     "RoPE",
