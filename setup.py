@@ -65,7 +65,7 @@ ext = Extension(
     include_dirs=["include", np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     depends=[os.path.join("include", "pagedkv", f) for f in
-             ("simd.h", "layout.h", "attention.h", "attn_impl.h")],
+             ("simd.h", "layout.h", "attention.h", "attn_impl.h", "attn_vocab_end.h")],
 )
 
 setup(

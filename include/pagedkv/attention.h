@@ -42,9 +42,13 @@ typedef struct {
 /* Bytes of scratch one thread needs. */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
-    return PKV_ALIGN_UP(3 * 8 * PKV_MAX_ROWS) + 2 * PKV_ALIGN_UP(nqd) +
-           PKV_ALIGN_UP((size_t)bs * itemsize) + PKV_ALIGN_UP((size_t)bs * d * itemsize);
+    return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
+           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * bs * itemsize) +
+           PKV_ALIGN_UP((size_t)bs * d * itemsize) + PKV_ALIGN;
 }
+
+/* Each instruction set maps the vocabulary of attn_impl.h once per dtype;
+ * attn_vocab_end.h undefines it again. */
 
 /* ---- scalar ------------------------------------------------------------- */
 #define VEC T
@@ -54,43 +58,38 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #define VSET1(s) (s)
 #define VZERO() ((T)0)
 #define VADD(a, b) ((a) + (b))
+#define VSUB(a, b) ((a) - (b))
 #define VMUL(a, b) ((a) * (b))
+#define VMAX(a, b) ((a) > (b) ? (a) : (b))
+#define VMIN(a, b) ((a) < (b) ? (a) : (b))
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VREDUCE(x) (x)
-
+#define VROUND(x) ((T)nearbyint(x))
+#define VSCALE2K(p, k) ((T)ldexp((double)(p), (int)(k)))
 #define T float
+#define PKV_F64 0
 #define FN(name) name##_f32_scalar
 #include "attn_impl.h"
 #undef T
+#undef PKV_F64
 #undef FN
 #define T double
+#define PKV_F64 1
 #define FN(name) name##_f64_scalar
 #include "attn_impl.h"
-#undef T
-#undef FN
-
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VMUL
-#undef VFMA
-#undef VREDUCE
+#include "attn_vocab_end.h"
 
 #if PKV_X86
 #include <immintrin.h>
 
+#define PKV_STR(x) #x
 #if defined(__clang__)
-#define PKV_TARGET_BEGIN(s) _Pragma("clang attribute push(__attribute__((target(" #s "))), apply_to = function)")
+#define PKV_TARGET_BEGIN(s) _Pragma(PKV_STR(clang attribute push(__attribute__((target(s))), apply_to = function)))
 #define PKV_TARGET_END _Pragma("clang attribute pop")
 #else
 #define PKV_TARGET_BEGIN(s) _Pragma("GCC push_options") _Pragma(PKV_STR(GCC target(s)))
 #define PKV_TARGET_END _Pragma("GCC pop_options")
 #endif
-#define PKV_STR(x) #x
 
 /* ---- AVX2 + FMA --------------------------------------------------------- */
 PKV_TARGET_BEGIN("avx2,fma")
@@ -105,110 +104,100 @@ static inline double pkv_hsum256_pd(__m256d x) {
     s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
     return _mm_cvtsd_f64(s);
 }
-#define VADD(a, b) _mm256_add_ps(a, b)
-#define VMUL(a, b) _mm256_mul_ps(a, b)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline __m256 pkv_scale2k256_ps(__m256 p, __m256 k) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
+    const __m256i ki = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k));
+    const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(ki, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+}
+#define PKV_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC __m256
 #define W 8
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, x) _mm256_storeu_ps(p, x)
 #define VSET1(s) _mm256_set1_ps(s)
 #define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VREDUCE(x) pkv_hsum256_ps(x)
+#define VROUND(x) _mm256_round_ps(x, PKV_RN)
+#define VSCALE2K(p, k) pkv_scale2k256_ps(p, k)
 #define T float
+#define PKV_F64 0
 #define FN(name) name##_f32_avx2
 #include "attn_impl.h"
-#undef T
-#undef FN
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VMUL
-#undef VFMA
-#undef VREDUCE
-#define VADD(a, b) _mm256_add_pd(a, b)
-#define VMUL(a, b) _mm256_mul_pd(a, b)
-#define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#include "attn_vocab_end.h"
 #define VEC __m256d
 #define W 4
 #define VLOAD(p) _mm256_loadu_pd(p)
 #define VSTORE(p, x) _mm256_storeu_pd(p, x)
 #define VSET1(s) _mm256_set1_pd(s)
 #define VZERO() _mm256_setzero_pd()
+#define VADD(a, b) _mm256_add_pd(a, b)
+#define VSUB(a, b) _mm256_sub_pd(a, b)
+#define VMUL(a, b) _mm256_mul_pd(a, b)
+#define VMAX(a, b) _mm256_max_pd(a, b)
+#define VMIN(a, b) _mm256_min_pd(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
 #define VREDUCE(x) pkv_hsum256_pd(x)
+#define VROUND(x) _mm256_round_pd(x, PKV_RN)
+#define VSCALE2K(p, k) pkv_scale2k256_pd(p, k)
 #define T double
+#define PKV_F64 1
 #define FN(name) name##_f64_avx2
 #include "attn_impl.h"
-#undef T
-#undef FN
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VMUL
-#undef VFMA
-#undef VREDUCE
+#include "attn_vocab_end.h"
 PKV_TARGET_END
 
 /* ---- AVX-512 (F, DQ, BW, VL) ------------------------------------------- */
 PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
-#define VADD(a, b) _mm512_add_ps(a, b)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VEC __m512
 #define W 16
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, x) _mm512_storeu_ps(p, x)
 #define VSET1(s) _mm512_set1_ps(s)
 #define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VREDUCE(x) _mm512_reduce_add_ps(x)
+#define VROUND(x) _mm512_roundscale_ps(x, PKV_RN)
+#define VSCALE2K(p, k) _mm512_scalef_ps(p, k)
 #define T float
+#define PKV_F64 0
 #define FN(name) name##_f32_avx512
 #include "attn_impl.h"
-#undef T
-#undef FN
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VMUL
-#undef VFMA
-#undef VREDUCE
-#define VADD(a, b) _mm512_add_pd(a, b)
-#define VMUL(a, b) _mm512_mul_pd(a, b)
-#define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
+#include "attn_vocab_end.h"
 #define VEC __m512d
 #define W 8
 #define VLOAD(p) _mm512_loadu_pd(p)
 #define VSTORE(p, x) _mm512_storeu_pd(p, x)
 #define VSET1(s) _mm512_set1_pd(s)
 #define VZERO() _mm512_setzero_pd()
+#define VADD(a, b) _mm512_add_pd(a, b)
+#define VSUB(a, b) _mm512_sub_pd(a, b)
+#define VMUL(a, b) _mm512_mul_pd(a, b)
+#define VMAX(a, b) _mm512_max_pd(a, b)
+#define VMIN(a, b) _mm512_min_pd(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define VREDUCE(x) _mm512_reduce_add_pd(x)
+#define VROUND(x) _mm512_roundscale_pd(x, PKV_RN)
+#define VSCALE2K(p, k) _mm512_scalef_pd(p, k)
 #define T double
+#define PKV_F64 1
 #define FN(name) name##_f64_avx512
 #include "attn_impl.h"
-#undef T
-#undef FN
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VMUL
-#undef VFMA
-#undef VREDUCE
+#include "attn_vocab_end.h"
 PKV_TARGET_END
 #endif /* PKV_X86 */
 

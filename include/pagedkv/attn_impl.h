@@ -7,14 +7,116 @@
  *   FN(name)  name mangling, e.g. name##_f32_avx2
  *   VEC, W    vector type and its number of lanes
  *   VLOAD(p) VSTORE(p, x) VSET1(s) VZERO() VADD(a, b) VMUL(a, b)
+ *   VSUB(a, b) VMAX(a, b) VMIN(a, b)
  *   VFMA(a, b, c)  a * b + c
  *   VREDUCE(x)     horizontal sum -> T
+ *   VROUND(x)      round to nearest integer (as T)
+ *   VSCALE2K(p, k) p * 2^k for integral k in the normal exponent range
+ *   PKV_F64        1 for double, 0 for float
  *
  * Layout of one layer of the pool, HND (see attention.h):
  *   block b, kv head h, slot j, dim i  ->  ((b * Hkv + h) * bs + j) * D + i
  */
 
 /* ---- vector helpers ----------------------------------------------------- */
+
+/* exp(x) for the softmax: 2^k * p(r) with k = round(x / ln 2) and a Cody-Waite
+ * split of ln 2; x is clamped so that 2^k stays a normal number.  f32: a
+ * degree-6 minimax polynomial (~1 ulp); f64: Taylor to degree 12 (~1e-16).
+ * Every path, the scalar one included, computes this same function. */
+#if PKV_F64
+#define PKV_EXP_LO (-708.0)
+#define PKV_EXP_HI (709.0)
+#define PKV_LN2_HI 6.93145751953125E-1
+#define PKV_LN2_LO 1.42860682030941723212E-6
+#define PKV_EXP_POLY(r, P)                                                        \
+    P = VFMA(VSET1((T)(1.0 / 479001600.0)), r, VSET1((T)(1.0 / 39916800.0)));    \
+    P = VFMA(P, r, VSET1((T)(1.0 / 3628800.0)));                                 \
+    P = VFMA(P, r, VSET1((T)(1.0 / 362880.0)));                                  \
+    P = VFMA(P, r, VSET1((T)(1.0 / 40320.0)));                                   \
+    P = VFMA(P, r, VSET1((T)(1.0 / 5040.0)));                                    \
+    P = VFMA(P, r, VSET1((T)(1.0 / 720.0)));                                     \
+    P = VFMA(P, r, VSET1((T)(1.0 / 120.0)));                                     \
+    P = VFMA(P, r, VSET1((T)(1.0 / 24.0)));                                      \
+    P = VFMA(P, r, VSET1((T)(1.0 / 6.0)));                                       \
+    P = VFMA(P, r, VSET1((T)0.5));                                               \
+    P = VFMA(P, r, VSET1((T)1.0));                                               \
+    P = VFMA(P, r, VSET1((T)1.0));
+#else
+#define PKV_EXP_LO (-87.0f)
+#define PKV_EXP_HI (88.0f)
+#define PKV_LN2_HI 0.693359375f
+#define PKV_LN2_LO (-2.12194440e-4f)
+#define PKV_EXP_POLY(r, P)                                                        \
+    P = VFMA(VSET1(1.9875691500E-4f), r, VSET1(1.3981999507E-3f));               \
+    P = VFMA(P, r, VSET1(8.3334519073E-3f));                                     \
+    P = VFMA(P, r, VSET1(4.1665795894E-2f));                                     \
+    P = VFMA(P, r, VSET1(1.6666665459E-1f));                                     \
+    P = VFMA(P, r, VSET1(5.0000001201E-1f));                                     \
+    P = VFMA(P, VMUL(r, r), VADD(r, VSET1(1.0f)));
+#endif
+
+static inline VEC FN(vexp)(VEC x) {
+    x = VMAX(x, VSET1((T)PKV_EXP_LO));
+    x = VMIN(x, VSET1((T)PKV_EXP_HI));
+    const VEC k = VROUND(VMUL(x, VSET1((T)1.44269504088896340736)));
+    VEC r = VFMA(k, VSET1((T)-PKV_LN2_HI), x);
+    r = VFMA(k, VSET1((T)-PKV_LN2_LO), r);
+    VEC P;
+    PKV_EXP_POLY(r, P)
+    return VSCALE2K(P, k);
+}
+
+/* the same function one lane at a time (vector tails) */
+static inline T FN(sexp)(T x) {
+    x = x < (T)PKV_EXP_LO ? (T)PKV_EXP_LO : (x > (T)PKV_EXP_HI ? (T)PKV_EXP_HI : x);
+    const T k = (T)nearbyint((double)(x * (T)1.44269504088896340736));
+    T r = x - k * (T)PKV_LN2_HI;
+    r = r - k * (T)PKV_LN2_LO;
+#if PKV_F64
+    T P = (T)(1.0 / 479001600.0) * r + (T)(1.0 / 39916800.0);
+    P = P * r + (T)(1.0 / 3628800.0);
+    P = P * r + (T)(1.0 / 362880.0);
+    P = P * r + (T)(1.0 / 40320.0);
+    P = P * r + (T)(1.0 / 5040.0);
+    P = P * r + (T)(1.0 / 720.0);
+    P = P * r + (T)(1.0 / 120.0);
+    P = P * r + (T)(1.0 / 24.0);
+    P = P * r + (T)(1.0 / 6.0);
+    P = P * r + (T)0.5;
+    P = P * r + (T)1.0;
+    P = P * r + (T)1.0;
+#else
+    T P = 1.9875691500E-4f * r + 1.3981999507E-3f;
+    P = P * r + 8.3334519073E-3f;
+    P = P * r + 4.1665795894E-2f;
+    P = P * r + 1.6666665459E-1f;
+    P = P * r + 5.0000001201E-1f;
+    P = P * (r * r) + (r + 1.0f);
+#endif
+    return (T)ldexp((double)P, (int)k);
+}
+
+/* p[j] = exp(s[j] - mx) for j < n, in place; returns the sum in double. */
+static inline double FN(exp_shift)(T *restrict s, int n, T mx) {
+    int j = 0;
+    double sum = 0.0;
+    const VEC vm = VSET1(mx);
+    if (n >= W) {
+        VEC acc = VZERO();
+        for (; j + W <= n; j += W) {
+            const VEC p = FN(vexp)(VSUB(VLOAD(s + j), vm));
+            VSTORE(s + j, p);
+            acc = VADD(acc, p);
+        }
+        sum = (double)VREDUCE(acc);
+    }
+    for (; j < n; j++) {
+        s[j] = FN(sexp)(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
 
 static inline T FN(dot)(const T *restrict a, const T *restrict b, int d) {
     int i = 0;
@@ -32,7 +134,124 @@ static inline T FN(dot)(const T *restrict a, const T *restrict b, int d) {
     return s;
 }
 
-/* y = y * alpha + sum_j p[j] * x[j*d : j*d+d]  for j < n */
+/* Dot products of two keys k0, k1 with four query rows q0..q3 (8 chains):
+ * each q vector is loaded once per two keys and each k vector once per four
+ * rows.  out[r * 2 + j] = q_r . k_j */
+static inline void FN(dot4x2)(const T *restrict q0, const T *restrict q1, const T *restrict q2,
+                              const T *restrict q3, const T *restrict k0,
+                              const T *restrict k1, int d, T *out) {
+    int i = 0;
+    T t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (d >= W) {
+        VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+        VEC b0 = VZERO(), b1 = VZERO(), b2 = VZERO(), b3 = VZERO();
+        for (; i + W <= d; i += W) {
+            const VEC x = VLOAD(k0 + i), y = VLOAD(k1 + i);
+            VEC qv = VLOAD(q0 + i);
+            a0 = VFMA(qv, x, a0);
+            b0 = VFMA(qv, y, b0);
+            qv = VLOAD(q1 + i);
+            a1 = VFMA(qv, x, a1);
+            b1 = VFMA(qv, y, b1);
+            qv = VLOAD(q2 + i);
+            a2 = VFMA(qv, x, a2);
+            b2 = VFMA(qv, y, b2);
+            qv = VLOAD(q3 + i);
+            a3 = VFMA(qv, x, a3);
+            b3 = VFMA(qv, y, b3);
+        }
+        t[0] = VREDUCE(a0);
+        t[1] = VREDUCE(b0);
+        t[2] = VREDUCE(a1);
+        t[3] = VREDUCE(b1);
+        t[4] = VREDUCE(a2);
+        t[5] = VREDUCE(b2);
+        t[6] = VREDUCE(a3);
+        t[7] = VREDUCE(b3);
+    }
+    for (; i < d; i++) {
+        t[0] += q0[i] * k0[i];
+        t[1] += q0[i] * k1[i];
+        t[2] += q1[i] * k0[i];
+        t[3] += q1[i] * k1[i];
+        t[4] += q2[i] * k0[i];
+        t[5] += q2[i] * k1[i];
+        t[6] += q3[i] * k0[i];
+        t[7] += q3[i] * k1[i];
+    }
+    for (int r = 0; r < 8; r++) out[r] = t[r];
+}
+
+/* y_r = y_r * alpha_r + sum_j p_r[j] * x[j]  for rows r < 4 (p_r = p + r * ps),
+ * j < n; x rows are d long.  Each x vector is loaded once for four rows. */
+static inline void FN(pv4)(T *restrict y, int yd, const T *restrict alpha, const T *restrict p,
+                           int ps, const T *restrict x, int n, int d) {
+    int i = 0;
+    T *y0 = y, *y1 = y + yd, *y2 = y + 2 * (size_t)yd, *y3 = y + 3 * (size_t)yd;
+    const T *p0 = p, *p1 = p + ps, *p2 = p + 2 * ps, *p3 = p + 3 * ps;
+    const VEC al0 = VSET1(alpha[0]), al1 = VSET1(alpha[1]), al2 = VSET1(alpha[2]),
+              al3 = VSET1(alpha[3]);
+    for (; i + 2 * W <= d; i += 2 * W) {
+        VEC a0 = VMUL(VLOAD(y0 + i), al0), b0 = VMUL(VLOAD(y0 + i + W), al0);
+        VEC a1 = VMUL(VLOAD(y1 + i), al1), b1 = VMUL(VLOAD(y1 + i + W), al1);
+        VEC a2 = VMUL(VLOAD(y2 + i), al2), b2 = VMUL(VLOAD(y2 + i + W), al2);
+        VEC a3 = VMUL(VLOAD(y3 + i), al3), b3 = VMUL(VLOAD(y3 + i + W), al3);
+        for (int j = 0; j < n; j++) {
+            const VEC x0 = VLOAD(x + (size_t)j * d + i), x1 = VLOAD(x + (size_t)j * d + i + W);
+            VEC pj = VSET1(p0[j]);
+            a0 = VFMA(pj, x0, a0);
+            b0 = VFMA(pj, x1, b0);
+            pj = VSET1(p1[j]);
+            a1 = VFMA(pj, x0, a1);
+            b1 = VFMA(pj, x1, b1);
+            pj = VSET1(p2[j]);
+            a2 = VFMA(pj, x0, a2);
+            b2 = VFMA(pj, x1, b2);
+            pj = VSET1(p3[j]);
+            a3 = VFMA(pj, x0, a3);
+            b3 = VFMA(pj, x1, b3);
+        }
+        VSTORE(y0 + i, a0);
+        VSTORE(y0 + i + W, b0);
+        VSTORE(y1 + i, a1);
+        VSTORE(y1 + i + W, b1);
+        VSTORE(y2 + i, a2);
+        VSTORE(y2 + i + W, b2);
+        VSTORE(y3 + i, a3);
+        VSTORE(y3 + i + W, b3);
+    }
+    for (; i + W <= d; i += W) {
+        VEC a0 = VMUL(VLOAD(y0 + i), al0), a1 = VMUL(VLOAD(y1 + i), al1);
+        VEC a2 = VMUL(VLOAD(y2 + i), al2), a3 = VMUL(VLOAD(y3 + i), al3);
+        for (int j = 0; j < n; j++) {
+            const VEC x0 = VLOAD(x + (size_t)j * d + i);
+            a0 = VFMA(VSET1(p0[j]), x0, a0);
+            a1 = VFMA(VSET1(p1[j]), x0, a1);
+            a2 = VFMA(VSET1(p2[j]), x0, a2);
+            a3 = VFMA(VSET1(p3[j]), x0, a3);
+        }
+        VSTORE(y0 + i, a0);
+        VSTORE(y1 + i, a1);
+        VSTORE(y2 + i, a2);
+        VSTORE(y3 + i, a3);
+    }
+    for (; i < d; i++) {
+        T a0 = y0[i] * alpha[0], a1 = y1[i] * alpha[1], a2 = y2[i] * alpha[2], a3 = y3[i] * alpha[3];
+        for (int j = 0; j < n; j++) {
+            const T xv = x[(size_t)j * d + i];
+            a0 += p0[j] * xv;
+            a1 += p1[j] * xv;
+            a2 += p2[j] * xv;
+            a3 += p3[j] * xv;
+        }
+        y0[i] = a0;
+        y1[i] = a1;
+        y2[i] = a2;
+        y3[i] = a3;
+    }
+}
+
+/* y = y * alpha + sum_j p[j] * x[j*d : j*d+d]  for j < n (one row) */
 static inline void FN(scale_axpy_n)(T *restrict y, T alpha, const T *restrict p,
                                     const T *restrict x, int n, int d) {
     int i = 0;
@@ -74,48 +293,90 @@ static inline void FN(rope_one)(T *restrict dst, const T *restrict src, const pk
 }
 
 /* ---- online softmax over a run of held keys -------------------------------
- * Folds keys of ranks [r, r + n) (stored contiguously at k / v) into the
- * running state (m, l, acc) of nq query rows.  Row i sees only ranks <= lim[i].
+ * Folds keys of ranks [r, r + n) (stored contiguously at k / v, n <= bs) into
+ * the running state (m, l, acc) of nq query rows.  Row i sees only ranks
+ * <= lim[i].  Scores go to sbuf [nq][n]: first all scores (each key loaded
+ * once per four rows), then one vectorized exp per row, then P.V (each value
+ * loaded once per four rows).
  */
 static inline void FN(fold_run)(const T *restrict q, int nq, const int64_t *lim, int64_t r,
                                 const T *restrict k, const T *restrict v, int n, int d,
-                                T *restrict acc, double *m, double *l, T *restrict sbuf) {
-    for (int i = 0; i < nq; i++) {
-        const int64_t cnt64 = lim[i] - r + 1;
-        if (cnt64 <= 0) continue;
-        const int cnt = cnt64 < n ? (int)cnt64 : n;
-        const T *qi = q + (size_t)i * d;
-        T mx = -INFINITY;
-        for (int j = 0; j < cnt; j++) {
-            const T s = FN(dot)(qi, k + (size_t)j * d, d);
-            sbuf[j] = s;
-            if (s > mx) mx = s;
+                                T *restrict acc, double *m, double *l, T *restrict sbuf,
+                                T *restrict alpha) {
+    int rows[PKV_MAX_ROWS];
+    int na = 0;
+    for (int i = 0; i < nq; i++)
+        if (lim[i] >= r) rows[na++] = i;
+    if (na == 0) return;
+
+    int a = 0;
+    for (; a + 4 <= na; a += 4) {
+        const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
+        const T *q2 = q + (size_t)rows[a + 2] * d, *q3 = q + (size_t)rows[a + 3] * d;
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            T t[8];
+            FN(dot4x2)(q0, q1, q2, q3, k + (size_t)j * d, k + (size_t)(j + 1) * d, d, t);
+            for (int rr = 0; rr < 4; rr++) {
+                sbuf[(size_t)(a + rr) * n + j] = t[2 * rr];
+                sbuf[(size_t)(a + rr) * n + j + 1] = t[2 * rr + 1];
+            }
         }
-        const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
-        const double alpha = m[i] == -INFINITY ? 0.0 : exp(m[i] - m_new);
-        double psum = 0.0;
-        for (int j = 0; j < cnt; j++) {
-            const T p = (T)exp((double)sbuf[j] - m_new);
-            sbuf[j] = p;
-            psum += p;
+        for (; j < n; j++) {
+            sbuf[(size_t)(a + 0) * n + j] = FN(dot)(q0, k + (size_t)j * d, d);
+            sbuf[(size_t)(a + 1) * n + j] = FN(dot)(q1, k + (size_t)j * d, d);
+            sbuf[(size_t)(a + 2) * n + j] = FN(dot)(q2, k + (size_t)j * d, d);
+            sbuf[(size_t)(a + 3) * n + j] = FN(dot)(q3, k + (size_t)j * d, d);
         }
-        l[i] = l[i] * alpha + psum;
-        m[i] = m_new;
-        FN(scale_axpy_n)(acc + (size_t)i * d, (T)alpha, sbuf, v, cnt, d);
     }
+    for (; a < na; a++) {
+        const T *qi = q + (size_t)rows[a] * d;
+        for (int j = 0; j < n; j++) sbuf[(size_t)a * n + j] = FN(dot)(qi, k + (size_t)j * d, d);
+    }
+
+    for (a = 0; a < na; a++) {
+        const int i = rows[a];
+        T *s = sbuf + (size_t)a * n;
+        const int64_t c64 = lim[i] - r + 1;
+        const int cnt = c64 < n ? (int)c64 : n;
+        T mx = s[0];
+        for (int j = 1; j < cnt; j++) mx = s[j] > mx ? s[j] : mx;
+        const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
+        const T al = m[i] == -INFINITY ? (T)0 : FN(sexp)((T)(m[i] - m_new));
+        const double psum = FN(exp_shift)(s, cnt, (T)m_new);
+        for (int j = cnt; j < n; j++) s[j] = 0;  /* causally masked */
+        l[i] = l[i] * (double)al + psum;
+        m[i] = m_new;
+        alpha[a] = al;
+    }
+
+    for (a = 0; a + 4 <= na; a += 4) {
+        /* rows[a..a+3] are consecutive in the common case; fall back otherwise */
+        if (rows[a + 3] == rows[a] + 3) {
+            FN(pv4)(acc + (size_t)rows[a] * d, d, alpha + a, sbuf + (size_t)a * n, n, v, n, d);
+        } else {
+            for (int b = a; b < a + 4; b++)
+                FN(scale_axpy_n)(acc + (size_t)rows[b] * d, alpha[b], sbuf + (size_t)b * n, v, n, d);
+        }
+    }
+    for (; a < na; a++)
+        FN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], sbuf + (size_t)a * n, v, n, d);
 }
 
 /* One work item: kv head h of one sequence against nq query rows (already
  * scaled and, with RoPE, rotated) over held ranks [0, rend). */
 static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h, const T *restrict q,
                             int nq, const int64_t *lim, int64_t rend, T *restrict acc,
-                            double *m, double *l, T *restrict sbuf, T *restrict kbuf) {
+                            double *m, double *l, T *restrict sbuf, T *restrict kbuf,
+                            T *restrict alpha) {
     const int bs = a->bs, d = a->d;
     const size_t bstride = (size_t)a->hkv * bs * d;
     const T *kb = (const T *)a->k + (size_t)h * bs * d;
     const T *vb = (const T *)a->v + (size_t)h * bs * d;
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
+    const int64_t nblk = (sg.b1 + bs - 1) / bs;
+    const size_t run_bytes = sizeof(T) * (size_t)bs * d;
     for (int i = 0; i < nq; i++) { m[i] = -INFINITY; l[i] = 0.0; }
     memset(acc, 0, sizeof(T) * (size_t)nq * d);
 
@@ -135,12 +396,21 @@ static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h, const T *r
             if (n > rlast - rr) n = (int)(rlast - rr);
             const size_t base = (size_t)table[bi] * bstride + (size_t)off * d;
             const T *kp = kb + base, *vp = vb + base;
+            if (bi + 1 < nblk) {
+                /* the next block of this head is elsewhere in the pool: ask for it now */
+                const char *kn = (const char *)(kb + (size_t)table[bi + 1] * bstride);
+                const char *vn = (const char *)(vb + (size_t)table[bi + 1] * bstride);
+                for (size_t o = 0; o < run_bytes; o += 64) {
+                    __builtin_prefetch(kn + o);
+                    __builtin_prefetch(vn + o);
+                }
+            }
             if (a->rope) {
                 for (int j = 0; j < n; j++)
                     FN(rope_one)(kbuf + (size_t)j * d, kp + (size_t)j * d, a->rope, rr + j, d);
                 kp = kbuf;
             }
-            FN(fold_run)(q, nq, lim, rr, kp, vp, n, d, acc, m, l, sbuf);
+            FN(fold_run)(q, nq, lim, rr, kp, vp, n, d, acc, m, l, sbuf, alpha);
             rr += n;
             slot += n;
         }
@@ -177,7 +447,7 @@ static inline void FN(store_out)(const pkv_attn_args *a, int64_t t0, int nt, int
 }
 
 typedef struct {
-    T *qbuf, *acc, *sbuf, *kbuf;
+    T *qbuf, *acc, *sbuf, *kbuf, *alpha;
     double *m, *l;
     int64_t *lim;
 } FN(scratch_t);
@@ -191,7 +461,8 @@ static inline FN(scratch_t) FN(scratch)(const pkv_attn_args *a, int tid) {
     sc.lim = (int64_t *)p;    p += sizeof(int64_t) * PKV_MAX_ROWS;
     sc.qbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * nqd);
     sc.acc = (T *)p;          p += PKV_ALIGN_UP(sizeof(T) * nqd);
-    sc.sbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * a->bs);
+    sc.alpha = (T *)p;        p += PKV_ALIGN_UP(sizeof(T) * PKV_MAX_ROWS);
+    sc.sbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * PKV_MAX_ROWS * a->bs);
     sc.kbuf = (T *)p;
     return sc;
 }
@@ -214,7 +485,8 @@ static void FN(decode)(const pkv_attn_args *a) {
         const pkv_segs sg = a->segs[b];
         const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
         FN(load_queries)(a, (const T *)a->q, b, 1, h * g_all + g0, ng, held - 1, sc.qbuf, sc.lim);
-        FN(attend_item)(a, b, h, sc.qbuf, ng, sc.lim, held, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf);
+        FN(attend_item)(a, b, h, sc.qbuf, ng, sc.lim, held, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf,
+                        sc.alpha);
         FN(store_out)(a, b, 1, h * g_all + g0, ng, sc.acc, sc.l);
     }
 }
@@ -244,7 +516,7 @@ static void FN(prefill)(const pkv_attn_args *a) {
         const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
         FN(load_queries)(a, (const T *)a->q, t0, nt, h * g_all + g0, ng, rank0 + t0, sc.qbuf, sc.lim);
         FN(attend_item)(a, 0, h, sc.qbuf, nt * ng, sc.lim, rank0 + t0 + nt, sc.acc, sc.m, sc.l,
-                        sc.sbuf, sc.kbuf);
+                        sc.sbuf, sc.kbuf, sc.alpha);
         FN(store_out)(a, t0, nt, h * g_all + g0, ng, sc.acc, sc.l);
     }
 }
@@ -265,3 +537,9 @@ static double FN(stream_sum)(const T *restrict p, size_t n) {
     for (; i < n; i++) s += p[i];
     return s;
 }
+
+#undef PKV_EXP_LO
+#undef PKV_EXP_HI
+#undef PKV_LN2_HI
+#undef PKV_LN2_LO
+#undef PKV_EXP_POLY

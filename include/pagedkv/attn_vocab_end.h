@@ -1,0 +1,20 @@
+/* pagedkv/attn_vocab_end.h -- undefine one instantiation's SIMD vocabulary
+ * (see attention.h).  No include guard on purpose. */
+#undef VEC
+#undef W
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VMAX
+#undef VMIN
+#undef VFMA
+#undef VREDUCE
+#undef VROUND
+#undef VSCALE2K
+#undef T
+#undef PKV_F64
+#undef FN
