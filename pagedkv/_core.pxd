@@ -47,8 +47,11 @@ cdef extern from "pagedkv/attention.h" nogil:
         const pkv_rope *rope
         void *scratch
         size_t scratch_stride
+        void *partial
+        int64_t partial_slots
         int nthreads
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
+    size_t pkv_partial_slot_bytes(int d, size_t itemsize)
     void pkv_decode(const pkv_attn_args *a, int dtype, int simd)
     void pkv_prefill(const pkv_attn_args *a, int dtype, int simd)
     double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)

@@ -251,6 +251,8 @@ cdef class CacheCore:
         void *scratch_raw
         size_t scratch_stride
         int scratch_threads
+        void *partial             # split-K partial states, 2 slots per thread
+        void *partial_raw
         # counters
         readonly int64_t blocks_allocated
         readonly int64_t blocks_freed
@@ -334,6 +336,7 @@ cdef class CacheCore:
         for i in range(19):
             free(self._r[i])
         free(self.scratch_raw)
+        free(self.partial_raw)
 
     cdef _set_rope(self, cos, sin):
         dt = np.float32 if self.dtype_code == 0 else np.float64
@@ -358,9 +361,13 @@ cdef class CacheCore:
             return 0
         stride = pkv_scratch_bytes(self.block_size, self.head_dim, self.itemsize)
         free(self.scratch_raw)
+        free(self.partial_raw)
         self.scratch_raw = NULL
+        self.partial_raw = NULL
         self.scratch_threads = 0
         self.scratch = _zalloc(stride * threads, &self.scratch_raw)
+        self.partial = _zalloc(2 * threads * pkv_partial_slot_bytes(self.head_dim, self.itemsize),
+                               &self.partial_raw)
         self.scratch_stride = stride
         self.scratch_threads = threads
         return 0
@@ -915,9 +922,8 @@ cdef class CacheCore:
         a.out = cnp.PyArray_DATA(out)
         a.scale = scale
         a.rope = &self.rope if self.has_rope else NULL
-        a.scratch = self.scratch
-        a.scratch_stride = self.scratch_stride
         a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
+        a.scratch_stride = self.scratch_stride
 
     cdef double _scale(self, object scale) except? -1:
         if scale is None:
@@ -941,6 +947,8 @@ cdef class CacheCore:
         self._fill_args(&a, l, hq, sc, q, out)
         self._ensure_scratch(a.nthreads)
         a.scratch = self.scratch
+        a.partial = self.partial
+        a.partial_slots = 2 * self.scratch_threads
         self.b_tables[0] = self.tables + slot * self.max_blocks_per_seq
         self.b_segs[0] = self.segs[slot]
         a.nseq = 1
@@ -979,6 +987,8 @@ cdef class CacheCore:
         self._fill_args(&a, l, hq, sc, q, out)
         self._ensure_scratch(a.nthreads)
         a.scratch = self.scratch
+        a.partial = self.partial
+        a.partial_slots = 2 * self.scratch_threads
         a.nseq = B
         a.nq = 1
         with nogil:

@@ -36,8 +36,19 @@ typedef struct {
     const pkv_rope *rope;         /* NULL: keys and queries used as given */
     void *scratch;                /* nthreads * scratch_stride bytes, 64-aligned */
     size_t scratch_stride;
+    void *partial;                /* split-K partial states: partial_slots slots */
+    int64_t partial_slots;
     int nthreads;
 } pkv_attn_args;
+
+/* A sequence is split over several threads only if each key chunk gets at
+ * least this many tokens. */
+#define PKV_SPLIT_MIN 256
+
+/* Bytes of one split-K partial state (m, l, acc of PKV_MAX_ROWS rows). */
+static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
+    return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
+}
 
 /* Bytes of scratch one thread needs. */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {

@@ -363,87 +363,96 @@ static inline void FN(fold_run)(const T *restrict q, int nq, const int64_t *lim,
         FN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], sbuf + (size_t)a * n, v, n, d);
 }
 
-/* One work item: kv head h of one sequence against nq query rows (already
- * scaled and, with RoPE, rotated) over held ranks [0, rend). */
-static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h, const T *restrict q,
-                            int nq, const int64_t *lim, int64_t rend, T *restrict acc,
-                            double *m, double *l, T *restrict sbuf, T *restrict kbuf,
-                            T *restrict alpha) {
+/* One work item: kv heads [h0, h0 + nh) of sequence s against their query
+ * rows over held ranks [rbeg, rend).  Rows are laid out head-major: head hh
+ * owns rows [hh * nqh, (hh + 1) * nqh) of q / acc / m / l, and row i of every
+ * head sees ranks <= lim[i].  The heads of one block are adjacent in the pool
+ * (HND), so an item reads each block as one contiguous run per K and V. */
+static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
+                            const T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
+                            int64_t rend, T *restrict acc, double *m, double *l,
+                            T *restrict sbuf, T *restrict kbuf, T *restrict alpha) {
     const int bs = a->bs, d = a->d;
-    const size_t bstride = (size_t)a->hkv * bs * d;
-    const T *kb = (const T *)a->k + (size_t)h * bs * d;
-    const T *vb = (const T *)a->v + (size_t)h * bs * d;
+    const size_t hstride = (size_t)bs * d;
+    const size_t bstride = (size_t)a->hkv * hstride;
+    const T *kb = (const T *)a->k + (size_t)h0 * hstride;
+    const T *vb = (const T *)a->v + (size_t)h0 * hstride;
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
-    const int64_t nblk = (sg.b1 + bs - 1) / bs;
-    const size_t run_bytes = sizeof(T) * (size_t)bs * d;
-    for (int i = 0; i < nq; i++) { m[i] = -INFINITY; l[i] = 0.0; }
+    const int nq = nh * nqh;
+    for (int i = 0; i < nq; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0;
+    }
     memset(acc, 0, sizeof(T) * (size_t)nq * d);
 
     /* held ranks map to slots: [0, n0) -> [a0, a1), [n0, ...) -> [b0, b1) */
     const int64_t n0 = sg.a1 - sg.a0;
     const int64_t seg_slot[2] = {sg.a0, sg.b0};
     const int64_t seg_rank[2] = {0, n0};
-    const int64_t seg_len[2] = {n0, sg.b1 - sg.b0};
+    const int64_t seg_end[2] = {n0, n0 + sg.b1 - sg.b0};
     for (int sgi = 0; sgi < 2; sgi++) {
-        int64_t rr = seg_rank[sgi], slot = seg_slot[sgi];
-        int64_t rlast = seg_rank[sgi] + seg_len[sgi];
-        if (rlast > rend) rlast = rend;
+        int64_t rr = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
+        const int64_t rlast = seg_end[sgi] < rend ? seg_end[sgi] : rend;
+        int64_t slot = seg_slot[sgi] + (rr - seg_rank[sgi]);
         while (rr < rlast) {
             const int64_t bi = slot / bs;
             const int off = (int)(slot - bi * bs);
             int n = bs - off;
             if (n > rlast - rr) n = (int)(rlast - rr);
             const size_t base = (size_t)table[bi] * bstride + (size_t)off * d;
-            const T *kp = kb + base, *vp = vb + base;
-            if (bi + 1 < nblk) {
-                /* the next block of this head is elsewhere in the pool: ask for it now */
-                const char *kn = (const char *)(kb + (size_t)table[bi + 1] * bstride);
-                const char *vn = (const char *)(vb + (size_t)table[bi + 1] * bstride);
-                for (size_t o = 0; o < run_bytes; o += 64) {
-                    __builtin_prefetch(kn + o);
-                    __builtin_prefetch(vn + o);
+            for (int hh = 0; hh < nh; hh++) {
+                const T *kp = kb + base + hh * hstride, *vp = vb + base + hh * hstride;
+                if (a->rope) {
+                    for (int j = 0; j < n; j++)
+                        FN(rope_one)(kbuf + (size_t)j * d, kp + (size_t)j * d, a->rope, rr + j, d);
+                    kp = kbuf;
                 }
+                const size_t r0 = (size_t)hh * nqh;
+                FN(fold_run)(q + r0 * d, nqh, lim, rr, kp, vp, n, d, acc + r0 * d, m + r0, l + r0,
+                             sbuf, alpha);
             }
-            if (a->rope) {
-                for (int j = 0; j < n; j++)
-                    FN(rope_one)(kbuf + (size_t)j * d, kp + (size_t)j * d, a->rope, rr + j, d);
-                kp = kbuf;
-            }
-            FN(fold_run)(q, nq, lim, rr, kp, vp, n, d, acc, m, l, sbuf, alpha);
             rr += n;
             slot += n;
         }
     }
 }
 
-/* Copy query rows (token t0.., heads hq0..hq0+ng) into qbuf, scaled and rotated. */
-static inline void FN(load_queries)(const pkv_attn_args *a, const T *q, int64_t t0, int nt, int hq0,
-                                    int ng, int64_t rank0, T *restrict qbuf, int64_t *lim) {
-    const int d = a->d;
+/* Query rows of heads [h0, h0 + nh), tokens t0 + [0, nt), group members
+ * g0 + [0, ng) into qbuf (head-major, then token, then member), scaled and,
+ * with RoPE, rotated to rank rank0 + t.  lim[t * ng + g] = rank0 + t. */
+static inline void FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
+                                    int g0, int ng, int64_t rank0, T *restrict qbuf,
+                                    int64_t *lim) {
+    const int d = a->d, gsz = a->hq / a->hkv;
     const T sc = (T)a->scale;
+    for (int hh = 0; hh < nh; hh++)
+        for (int t = 0; t < nt; t++)
+            for (int g = 0; g < ng; g++) {
+                const T *src = (const T *)a->q +
+                               ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
+                T *dst = qbuf + (((size_t)hh * nt + t) * ng + g) * d;
+                if (a->rope) FN(rope_one)(dst, src, a->rope, rank0 + t, d);
+                else memcpy(dst, src, sizeof(T) * d);
+                for (int j = 0; j < d; j++) dst[j] *= sc;
+            }
     for (int t = 0; t < nt; t++)
-        for (int g = 0; g < ng; g++) {
-            const int i = t * ng + g;
-            const T *src = q + ((size_t)(t0 + t) * a->hq + hq0 + g) * d;
-            T *dst = qbuf + (size_t)i * d;
-            if (a->rope) FN(rope_one)(dst, src, a->rope, rank0 + t, d);
-            else memcpy(dst, src, sizeof(T) * d);
-            for (int j = 0; j < d; j++) dst[j] *= sc;
-            lim[i] = rank0 + t;
-        }
+        for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
 }
 
-static inline void FN(store_out)(const pkv_attn_args *a, int64_t t0, int nt, int hq0, int ng,
-                                 const T *acc, const double *l) {
-    const int d = a->d;
-    for (int t = 0; t < nt; t++)
-        for (int g = 0; g < ng; g++) {
-            const int i = t * ng + g;
-            T *dst = (T *)a->out + ((size_t)(t0 + t) * a->hq + hq0 + g) * d;
-            const T inv = (T)(1.0 / l[i]);
-            for (int j = 0; j < d; j++) dst[j] = acc[(size_t)i * d + j] * inv;
-        }
+/* out rows (same layout as load_queries) = acc / l */
+static inline void FN(store_out)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
+                                 int g0, int ng, const T *acc, const double *l) {
+    const int d = a->d, gsz = a->hq / a->hkv;
+    for (int hh = 0; hh < nh; hh++)
+        for (int t = 0; t < nt; t++)
+            for (int g = 0; g < ng; g++) {
+                const size_t i = ((size_t)hh * nt + t) * ng + g;
+                T *dst = (T *)a->out +
+                         ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
+                const T inv = (T)(1.0 / l[i]);
+                for (int j = 0; j < d; j++) dst[j] = acc[i * d + j] * inv;
+            }
 }
 
 typedef struct {
@@ -467,38 +476,108 @@ static inline FN(scratch_t) FN(scratch)(const pkv_attn_args *a, int tid) {
     return sc;
 }
 
-/* Batched decode: one query token per sequence, at its newest held rank. */
+/* Batched decode: one query token per sequence, at its newest held rank.
+ *
+ * Work items are (sequence, head group, member chunk, key chunk).  A head
+ * group is as many KV heads as fit PKV_MAX_ROWS query rows, split further
+ * while there are fewer items than threads; if that is still too few (few
+ * sequences, few KV heads), each sequence's keys are split into chunks whose
+ * partial softmax states (m, l, acc) are merged by log-sum-exp afterwards. */
 static void FN(decode)(const pkv_attn_args *a) {
-    const int g_all = a->hq / a->hkv;
-    const int ng_max = g_all < PKV_MAX_ROWS ? g_all : PKV_MAX_ROWS;
-    const int nchunk = (g_all + ng_max - 1) / ng_max;
-    const int64_t items = a->nseq * a->hkv * nchunk;
+    const int gsz = a->hq / a->hkv, d = a->d;
+    const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
+    const int ngc = (gsz + ng_max - 1) / ng_max;
+    int hpg = PKV_MAX_ROWS / ng_max;
+    if (hpg > a->hkv) hpg = a->hkv;
+    while (hpg > 1 && a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < a->nthreads) hpg = (hpg + 1) / 2;
+    const int ngroups = (a->hkv + hpg - 1) / hpg;
+    const int64_t base = a->nseq * ngroups * ngc;
+    int64_t nchunk = 1;
+    if (base < a->nthreads && a->partial_slots > 0) {
+        int64_t held_min = INT64_MAX;
+        for (int64_t b = 0; b < a->nseq; b++) {
+            const int64_t h = (a->segs[b].a1 - a->segs[b].a0) + (a->segs[b].b1 - a->segs[b].b0);
+            if (h < held_min) held_min = h;
+        }
+        nchunk = (a->nthreads + base - 1) / base;
+        if (nchunk * base > a->partial_slots) nchunk = a->partial_slots / base;
+        if (nchunk > held_min / PKV_SPLIT_MIN) nchunk = held_min / PKV_SPLIT_MIN;
+        if (nchunk < 1) nchunk = 1;
+    }
+    const int64_t items = base * nchunk;
+    const size_t slot_bytes = pkv_partial_slot_bytes(d, sizeof(T));
     int64_t it;
-#pragma omp parallel for num_threads(a->nthreads) schedule(static) if (a->nthreads > 1)
+#pragma omp parallel for num_threads(a->nthreads) schedule(dynamic, 1) if (a->nthreads > 1)
     for (it = 0; it < items; it++) {
         FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
-        const int64_t b = it / (a->hkv * nchunk);
-        const int h = (int)((it / nchunk) % a->hkv);
-        const int gc = (int)(it % nchunk);
-        const int g0 = gc * ng_max;
-        const int ng = g_all - g0 < ng_max ? g_all - g0 : ng_max;
+        const int64_t c = it % nchunk, rest = it / nchunk;
+        const int gc = (int)(rest % ngc);
+        const int grp = (int)((rest / ngc) % ngroups);
+        const int64_t b = rest / ((int64_t)ngc * ngroups);
+        const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
+        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
         const pkv_segs sg = a->segs[b];
         const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
-        FN(load_queries)(a, (const T *)a->q, b, 1, h * g_all + g0, ng, held - 1, sc.qbuf, sc.lim);
-        FN(attend_item)(a, b, h, sc.qbuf, ng, sc.lim, held, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf,
-                        sc.alpha);
-        FN(store_out)(a, b, 1, h * g_all + g0, ng, sc.acc, sc.l);
+        FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
+        /* the query token is token b of q: load_queries/store_out index tokens from t0 = b */
+        FN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, held * c / nchunk,
+                        held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+        if (nchunk == 1) {
+            FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
+        } else {
+            char *p = (char *)a->partial + (size_t)it * slot_bytes;
+            const int nq = nh * ng;
+            memcpy(p, sc.m, sizeof(double) * nq);
+            memcpy(p + sizeof(double) * PKV_MAX_ROWS, sc.l, sizeof(double) * nq);
+            memcpy(p + 2 * sizeof(double) * PKV_MAX_ROWS, sc.acc, sizeof(T) * (size_t)nq * d);
+        }
+    }
+    if (nchunk == 1) return;
+    /* merge the key chunks of each (sequence, head group, member chunk) */
+#pragma omp parallel for num_threads(a->nthreads) schedule(static) if (a->nthreads > 1)
+    for (it = 0; it < base; it++) {
+        FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
+        const int gc = (int)(it % ngc);
+        const int grp = (int)((it / ngc) % ngroups);
+        const int64_t b = it / ((int64_t)ngc * ngroups);
+        const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
+        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+        const int nq = nh * ng;
+        for (int i = 0; i < nq; i++) {
+            double mx = -INFINITY;
+            for (int64_t c = 0; c < nchunk; c++) {
+                const double *pm = (const double *)((char *)a->partial + (size_t)(it * nchunk + c) * slot_bytes);
+                if (pm[i] > mx) mx = pm[i];
+            }
+            double lsum = 0.0;
+            T *dst = sc.acc + (size_t)i * d;
+            for (int j = 0; j < d; j++) dst[j] = 0;
+            for (int64_t c = 0; c < nchunk; c++) {
+                const char *p = (const char *)a->partial + (size_t)(it * nchunk + c) * slot_bytes;
+                const double pm = ((const double *)p)[i];
+                if (pm == -INFINITY) continue; /* empty chunk */
+                const double w = exp(pm - mx);
+                lsum += w * ((const double *)(p + sizeof(double) * PKV_MAX_ROWS))[i];
+                const T *pa = (const T *)(p + 2 * sizeof(double) * PKV_MAX_ROWS) + (size_t)i * d;
+                for (int j = 0; j < d; j++) dst[j] += (T)w * pa[j];
+            }
+            sc.l[i] = lsum;
+        }
+        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
     }
 }
 
-/* Causal prefill of one sequence: a->nq query tokens are its newest held ranks. */
+/* Causal prefill of one sequence: a->nq query tokens are its newest held ranks.
+ * Items are (kv head, member chunk, query tile); a tile of tq tokens x ng
+ * members reads each key block once and skips the blocks past its last
+ * query's rank (the causal mask costs no work beyond the diagonal blocks). */
 static void FN(prefill)(const pkv_attn_args *a) {
-    const int g_all = a->hq / a->hkv;
-    const int ng_max = g_all < PKV_MAX_ROWS ? g_all : PKV_MAX_ROWS;
-    const int nchunk = (g_all + ng_max - 1) / ng_max;
+    const int gsz = a->hq / a->hkv;
+    const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
+    const int ngc = (gsz + ng_max - 1) / ng_max;
     const int tq = PKV_MAX_ROWS / ng_max;
     const int64_t ntile = (a->nq + tq - 1) / tq;
-    const int64_t items = (int64_t)a->hkv * nchunk * ntile;
+    const int64_t items = (int64_t)a->hkv * ngc * ntile;
     const pkv_segs sg = a->segs[0];
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
     const int64_t rank0 = held - a->nq;
@@ -506,18 +585,17 @@ static void FN(prefill)(const pkv_attn_args *a) {
 #pragma omp parallel for num_threads(a->nthreads) schedule(dynamic, 1) if (a->nthreads > 1)
     for (it = 0; it < items; it++) {
         FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
-        /* largest tiles (latest queries) first, for balance */
-        const int64_t tile = ntile - 1 - it / ((int64_t)a->hkv * nchunk);
-        const int h = (int)((it / nchunk) % a->hkv);
-        const int gc = (int)(it % nchunk);
-        const int g0 = gc * ng_max;
-        const int ng = g_all - g0 < ng_max ? g_all - g0 : ng_max;
+        /* latest tiles (most keys) first, for balance */
+        const int64_t tile = ntile - 1 - it / ((int64_t)a->hkv * ngc);
+        const int h = (int)((it / ngc) % a->hkv);
+        const int gc = (int)(it % ngc);
+        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
         const int64_t t0 = tile * tq;
         const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
-        FN(load_queries)(a, (const T *)a->q, t0, nt, h * g_all + g0, ng, rank0 + t0, sc.qbuf, sc.lim);
-        FN(attend_item)(a, 0, h, sc.qbuf, nt * ng, sc.lim, rank0 + t0 + nt, sc.acc, sc.m, sc.l,
-                        sc.sbuf, sc.kbuf, sc.alpha);
-        FN(store_out)(a, t0, nt, h * g_all + g0, ng, sc.acc, sc.l);
+        FN(load_queries)(a, h, 1, t0, nt, g0, ng, rank0 + t0, sc.qbuf, sc.lim);
+        FN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, 0, rank0 + t0 + nt, sc.acc, sc.m,
+                        sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+        FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l);
     }
 }
 
