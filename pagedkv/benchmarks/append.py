@@ -1,0 +1,235 @@
+"""Appending one token's K and V (the per-step write of decode).
+
+pagedkv: ``cache.append(sid, k, v)`` with k, v [1, Hkv, D] and
+``cache.append_batch(sids, k, v)`` with k, v [B, Hkv, D] (one token for each
+of B sequences).  Baselines write the same bytes (K and V) into preallocated
+arrays: NumPy ``K[i] = k; V[i] = v`` and torch slice assignment.
+
+A sample is a fixed number of consecutive appends into a sequence that the
+untimed set-up rewinds to empty first (``truncate(sid, 0)``), so block
+allocation at block boundaries is part of what is measured; the baselines
+write to positions 0, 1, 2, ... of arrays of the same size.
+
+Allocation: bytes seen by ``tracemalloc`` (Python's allocators and NumPy's
+data allocations; not torch's C++ allocator) over 10,000 appends: the peak
+above the starting point and the net growth.
+"""
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from typing import List
+
+import numpy as np
+
+from pagedkv.benchmarks.common import (
+    PAGEDKV,
+    Impl,
+    Settings,
+    ThreadScope,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_time,
+    load_torch,
+    measure,
+    paired_ratio,
+    short_dtype,
+    table,
+)
+from pagedkv.benchmarks.decode import BLOCK_SIZE, shape
+
+NUMPY = "numpy"
+TORCH = "torch"
+ALLOC_APPENDS = 10_000
+
+
+def steps(settings: Settings) -> int:
+    return len(settings.dtypes) * 2
+
+
+def _appends_per_sample(settings: Settings) -> int:
+    return 256 if settings.tiny else 4096
+
+
+class _Case:
+    """One (dtype, B) configuration; B == 0 means single-sequence ``append``."""
+
+    def __init__(self, dtype: str, B: int, tokens: int, sh, torch, seed: int):
+        import pagedkv
+
+        dt = np.dtype(dtype)
+        self.dtype, self.B, self.tokens = dtype, B, tokens
+        nseq = max(B, 1)
+        rng = np.random.default_rng(seed)
+        self.k = rng.standard_normal((nseq, sh.hkv, sh.d), dtype=dt)
+        self.v = rng.standard_normal((nseq, sh.hkv, sh.d), dtype=dt)
+        nblk = -(-tokens // BLOCK_SIZE)
+        self.cache = pagedkv.PagedKVCache(num_blocks=nseq * nblk, block_size=BLOCK_SIZE,
+                                          num_kv_heads=sh.hkv, head_dim=sh.d, dtype=dtype,
+                                          max_seqs=nseq, max_blocks_per_seq=nblk)
+        self.sids = [self.cache.add_sequence() for _ in range(nseq)]
+        self.K = np.zeros((tokens,) + self.k.shape, dtype=dt) if B else \
+            np.zeros((tokens, sh.hkv, sh.d), dtype=dt)
+        self.V = np.zeros_like(self.K)
+        self.torch = torch
+        if torch is not None:
+            self.tK = torch.zeros(self.K.shape, dtype=getattr(torch, dtype))
+            self.tV = torch.zeros(self.V.shape, dtype=getattr(torch, dtype))
+            self.tk = torch.from_numpy(self.k if B else self.k[0].copy())
+            self.tv = torch.from_numpy(self.v if B else self.v[0].copy())
+
+    @property
+    def token_bytes(self) -> int:
+        """K+V bytes written per call."""
+        return 2 * self.k.nbytes
+
+    def rewind(self) -> None:
+        for sid in self.sids:
+            self.cache.truncate(sid, 0)
+
+    def run_pagedkv(self, n: int) -> None:
+        if self.B:
+            app, sids, k, v = self.cache.append_batch, self.sids, self.k, self.v
+        else:
+            app, sids, k, v = self.cache.append, self.sids[0], self.k, self.v
+        for _ in range(n):
+            app(sids, k, v)
+
+    def run_numpy(self, n: int) -> None:
+        K, V = self.K, self.V
+        k, v = (self.k, self.v) if self.B else (self.k[0], self.v[0])
+        for i in range(n):
+            K[i] = k
+            V[i] = v
+
+    def run_torch(self, n: int) -> None:
+        K, V, k, v = self.tK, self.tV, self.tk, self.tv
+        with self.torch.inference_mode():
+            for i in range(n):
+                K[i] = k
+                V[i] = v
+
+    def close(self) -> None:
+        for sid in self.sids:
+            self.cache.free(sid)
+        self.__dict__.clear()
+
+
+def _allocated(run, setup, appends: int) -> dict:
+    """tracemalloc bytes over `appends` calls (after one warm-up call)."""
+    setup()
+    run(1)
+    setup()
+    gc.collect()
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        run(appends)
+        cur, peak = tracemalloc.get_traced_memory()
+    finally:
+        if not was:
+            tracemalloc.stop()
+    return {"calls": appends, "peak_bytes": max(0, peak - base), "net_bytes": cur - base}
+
+
+def run(settings: Settings) -> List[dict]:
+    torch = load_torch(settings)
+    sh = shape(settings)
+    per_sample = _appends_per_sample(settings)
+    alloc_appends = 1000 if settings.tiny else ALLOC_APPENDS
+    t = 1  # appends are single-threaded everywhere
+    recs = []
+    for di, dtype in enumerate(settings.dtypes):
+        for B in (0, 2 if settings.tiny else 8):
+            calls = per_sample if B == 0 else max(1, per_sample // B)
+            alloc_calls = alloc_appends if B == 0 else max(1, alloc_appends // B)
+            tokens = max(calls, alloc_calls)
+            label = f"append {short_dtype(dtype)} " + ("append" if B == 0 else f"append_batch B={B}")
+            if settings.progress is not None:
+                settings.progress.start(label)
+            case = _Case(dtype, B, tokens, sh, torch, seed=100 + di)
+            try:
+                impls = {PAGEDKV: Impl(case.run_pagedkv, setup=case.rewind, inner=calls),
+                         NUMPY: Impl(case.run_numpy, inner=calls)}
+                if torch is not None:
+                    impls[TORCH] = Impl(case.run_torch, inner=calls)
+                with ThreadScope(t, torch):
+                    _verify(case, sh)
+                    repeats = max(settings.repeats, 7 if not settings.tiny else 3)
+                    timings = measure(impls, settings, repeats=repeats)
+                    allocs = {PAGEDKV: _allocated(case.run_pagedkv, case.rewind, alloc_calls),
+                              NUMPY: _allocated(case.run_numpy, lambda: None, alloc_calls)}
+                    if torch is not None:
+                        allocs[TORCH] = _allocated(case.run_torch, lambda: None, alloc_calls)
+                recs.append(_record(case, sh, timings, allocs))
+                recs[-1]["alloc_tokens"] = alloc_calls * max(B, 1)
+            finally:
+                case.close()
+                del case
+                gc.collect()
+            if settings.progress is not None:
+                settings.progress.step()
+    return recs
+
+
+def _verify(case: _Case, sh) -> None:
+    """The appended token reads back as written (pagedkv) - a sanity check
+    that the timed call does what the baselines do."""
+    case.rewind()
+    case.run_pagedkv(1)
+    for b, sid in enumerate(case.sids):
+        k, v = case.cache.gather(sid)
+        if not (np.array_equal(k[0], case.k[b]) and np.array_equal(v[0], case.v[b])):
+            raise AssertionError("append benchmark: the token read back differs")
+
+
+def _record(case: _Case, sh, timings, allocs) -> dict:
+    results = {}
+    tokens_per_call = max(case.B, 1)
+    for name, tm in timings.items():
+        r = tm.as_dict()
+        r["us_per_call"] = tm.median * 1e6
+        r["us_per_token"] = tm.median * 1e6 / tokens_per_call
+        r["gbps"] = case.token_bytes / tm.median / 1e9
+        r["tracemalloc"] = allocs[name]
+        results[name] = r
+    ratios = {name: paired_ratio(tm, timings[PAGEDKV])
+              for name, tm in timings.items() if name != PAGEDKV}
+    return {"suite": "append", "dtype": case.dtype, "threads": 1,
+            "call": "append" if case.B == 0 else "append_batch", "B": tokens_per_call,
+            "Hkv": sh.hkv, "D": sh.d, "token_shape": [tokens_per_call, sh.hkv, sh.d],
+            "bytes_per_call": case.token_bytes, "results": results, "ratios": ratios}
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    recs = [r for r in recs if r["suite"] == "append"]
+    if not recs:
+        return ""
+    r0 = recs[0]
+    head = (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
+            f"Allocation = tracemalloc peak / net bytes over\n{r0['alloc_tokens']:,} "
+            "appended tokens (number of calls shown; torch's C++ allocator is invisible to "
+            "tracemalloc).")
+    rows = []
+    for r in recs:
+        first = True
+        for name in (PAGEDKV, NUMPY, TORCH):
+            res = r["results"].get(name)
+            call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
+            cfg = [short_dtype(r["dtype"]), call] if first else ["", ""]
+            first = False
+            if res is None:
+                rows.append(cfg + [name, "n/a", "", "", "", ""])
+                continue
+            a = res["tracemalloc"]
+            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+            rows.append(cfg + [name, fmt_time(res["median_s"]),
+                               fmt_time(res["median_s"] / r["B"]),
+                               f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
+                               f" ({a['calls']} calls)", speed])
+    right = [False, False, False, True, True, True, True]
+    return head + "\n" + table(["dtype", "call", "impl", "per call", "per token",
+                                "alloc peak / net", "pagedkv speedup"], rows, right)

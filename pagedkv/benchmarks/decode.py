@@ -1,0 +1,286 @@
+"""Batched decode: one query per sequence at its newest token (memory-bound).
+
+pagedkv: ``cache.attend_batch(sids, q, out=out)`` over B sequences of L tokens
+whose blocks were filled round-robin, one block per sequence at a time (so
+the pages of a sequence are interleaved with the others', as in serving).
+
+Baselines, each checked once per configuration against pagedkv's output:
+
+* ``numpy``: K, V contiguous [B, Hkv, L, D]; q folded to [B, Hkv, G, D]
+  (G = Hq / Hkv query heads of a group share their KV head); matmul,
+  softmax, matmul.
+* ``numpy-gather``: ``cache.gather(sid)`` per sequence (contiguous copies
+  [L, Hkv, D]), then the same math on views of the copies.
+* ``torch-sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with q
+  viewed as [B, Hkv, G, D] (the group's query heads in the query-length axis:
+  exact for decode, and faster than ``enable_gqa=True``), K, V [B, Hkv, L, D]
+  sharing memory with the NumPy arrays.
+
+Figures: GB/s = K+V bytes of the B sequences (read once per step) / time;
+%BW = that / measured read bandwidth at the same thread count; GFLOP/s =
+4 * B * Hq * L * D / time (two multiply-adds per key and query head element).
+"""
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from pagedkv.benchmarks.common import (
+    PAGEDKV,
+    Impl,
+    Settings,
+    ThreadScope,
+    check_close,
+    fmt_num,
+    fmt_pct,
+    fmt_ratio,
+    fmt_time,
+    load_torch,
+    measure,
+    paired_ratio,
+    short_dtype,
+    table,
+)
+
+NUMPY = "numpy"
+GATHER = "numpy-gather"
+TORCH = "torch-sdpa"
+IMPLS = (PAGEDKV, NUMPY, GATHER, TORCH)
+
+BLOCK_SIZE = 16
+# numpy-gather copies every byte it then reads (2-3x the traffic of the
+# others); above this many K+V bytes per step it is skipped in full runs.
+GATHER_LIMIT_BYTES = 600 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    hq: int
+    hkv: int
+    d: int
+
+
+def shape(settings: Settings) -> Shape:
+    return Shape(4, 2, 32) if settings.tiny else Shape(32, 8, 128)
+
+
+def configs(settings: Settings) -> List[Tuple[int, int]]:
+    """(B, L) pairs of the run."""
+    if settings.tiny:
+        return [(1, 16), (2, 64)]
+    if settings.quick:
+        return [(1, 16), (8, 2048), (1, 8192)]
+    return [(b, l) for b in (1, 8) for l in (16, 512, 2048, 8192)]
+
+
+def steps(settings: Settings) -> int:
+    return len(settings.dtypes) * len(configs(settings)) * len(settings.threads)
+
+
+def _fill(cache, sids, K, V, bs):
+    """Append K, V [B, Hkv, L, D] to the sequences one block per sequence at a
+    time (round robin), so the sequences' blocks interleave in the pool."""
+    L = K.shape[2]
+    for s in range(0, L, bs):
+        e = min(L, s + bs)
+        for b, sid in enumerate(sids):
+            cache.append(sid, K[b, :, s:e].transpose(1, 0, 2), V[b, :, s:e].transpose(1, 0, 2))
+
+
+def _softmax_rows_inplace(s):
+    """exp(s - max) in place over the last axis; returns the row sums."""
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    return s.sum(axis=-1, keepdims=True)
+
+
+class _Case:
+    """Data and implementations of one (dtype, B, L) configuration."""
+
+    def __init__(self, dtype: str, B: int, L: int, sh: Shape, torch, seed: int):
+        import pagedkv
+
+        dt = np.dtype(dtype)
+        self.dtype, self.B, self.L, self.sh = dtype, B, L, sh
+        G = sh.hq // sh.hkv
+        rng = np.random.default_rng(seed)
+        self.K = rng.standard_normal((B, sh.hkv, L, sh.d), dtype=dt)
+        self.V = rng.standard_normal((B, sh.hkv, L, sh.d), dtype=dt)
+        self.q = rng.standard_normal((B, sh.hq, sh.d), dtype=dt)
+        self.scale = 1.0 / math.sqrt(sh.d)
+        nblk = -(-L // BLOCK_SIZE)
+        # the pool holds exactly the B sequences
+        self.cache = pagedkv.PagedKVCache(num_blocks=B * nblk, block_size=BLOCK_SIZE,
+                                          num_kv_heads=sh.hkv, head_dim=sh.d, dtype=dtype,
+                                          max_seqs=B, max_blocks_per_seq=nblk)
+        self.sids = [self.cache.add_sequence() for _ in range(B)]
+        _fill(self.cache, self.sids, self.K, self.V, BLOCK_SIZE)
+        self.out = np.empty((B, sh.hq, sh.d), dtype=dt)
+        # numpy (contiguous) buffers
+        self.qf = self.q.reshape(B, sh.hkv, G, sh.d)
+        self.qs = np.empty_like(self.qf)
+        self.s = np.empty((B, sh.hkv, G, L), dtype=dt)
+        self.o = np.empty((B, sh.hkv, G, sh.d), dtype=dt)
+        self.og = np.empty((B, sh.hkv, G, sh.d), dtype=dt)
+        self.torch = torch
+        if torch is not None:
+            self.tq = torch.from_numpy(self.q).view(B, sh.hkv, G, sh.d)
+            self.tK = torch.from_numpy(self.K)
+            self.tV = torch.from_numpy(self.V)
+            self.sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.K.nbytes
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.B * self.sh.hq * self.L * self.sh.d
+
+    # -- implementations (each computes [B, Hq, D]) --------------------------
+
+    def run_pagedkv(self, n: int) -> None:
+        attend, sids, q, out = self.cache.attend_batch, self.sids, self.q, self.out
+        for _ in range(n):
+            attend(sids, q, out=out)
+
+    def run_numpy(self, n: int) -> None:
+        Kt = self.K.transpose(0, 1, 3, 2)
+        for _ in range(n):
+            np.multiply(self.qf, self.scale, out=self.qs)
+            np.matmul(self.qs, Kt, out=self.s)
+            den = _softmax_rows_inplace(self.s)
+            np.matmul(self.s, self.V, out=self.o)
+            self.o /= den
+
+    def run_gather(self, n: int) -> None:
+        for _ in range(n):
+            np.multiply(self.qf, self.scale, out=self.qs)
+            for b, sid in enumerate(self.sids):
+                k, v = self.cache.gather(sid)           # [L, Hkv, D] copies
+                s = np.matmul(self.qs[b], k.transpose(1, 2, 0))   # [Hkv, G, L]
+                den = _softmax_rows_inplace(s)
+                np.matmul(s, v.transpose(1, 0, 2), out=self.og[b])
+                self.og[b] /= den
+
+    def run_torch(self, n: int) -> None:
+        torch, sdpa = self.torch, self.sdpa
+        with torch.inference_mode():
+            for _ in range(n):
+                self.to = sdpa(self.tq, self.tK, self.tV, scale=self.scale)
+
+    def outputs(self, name: str) -> np.ndarray:
+        sh = (self.B, self.sh.hq, self.sh.d)
+        if name == PAGEDKV:
+            return self.out
+        if name == NUMPY:
+            return self.o.reshape(sh)
+        if name == GATHER:
+            return self.og.reshape(sh)
+        return self.to.numpy().reshape(sh)
+
+    def close(self) -> None:
+        for sid in self.sids:
+            self.cache.free(sid)
+        self.__dict__.clear()
+
+
+def run(settings: Settings) -> List[dict]:
+    torch = load_torch(settings)
+    sh = shape(settings)
+    recs: List[dict] = []
+    for di, dtype in enumerate(settings.dtypes):
+        for ci, (B, L) in enumerate(configs(settings)):
+            case = _Case(dtype, B, L, sh, torch, seed=1000 * di + ci)
+            try:
+                impls: Dict[str, Impl] = {PAGEDKV: Impl(case.run_pagedkv),
+                                          NUMPY: Impl(case.run_numpy)}
+                skip_gather = (not settings.tiny and not settings.quick
+                               and case.kv_bytes > GATHER_LIMIT_BYTES)
+                if skip_gather:
+                    settings.note(f"numpy-gather skipped where K+V > {GATHER_LIMIT_BYTES >> 20} "
+                                  "MiB per step (it copies every byte before reading it; "
+                                  "it would dominate the run time)")
+                else:
+                    impls[GATHER] = Impl(case.run_gather)
+                if torch is not None:
+                    impls[TORCH] = Impl(case.run_torch)
+                for t in settings.threads:
+                    label = f"decode {short_dtype(dtype)} t={t} B={B} L={L}"
+                    if settings.progress is not None:
+                        settings.progress.start(label)
+                    with ThreadScope(t, torch):
+                        errors = _verify(case, impls)
+                        timings = measure(impls, settings)
+                    recs.append(_record(settings, case, t, timings, errors,
+                                        skipped=[GATHER] if skip_gather else []))
+                    if settings.progress is not None:
+                        settings.progress.step()
+            finally:
+                case.close()
+                del case
+                gc.collect()
+    return recs
+
+
+def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
+    for name, impl in impls.items():
+        impl.run(1)
+    want = case.outputs(PAGEDKV)
+    return {name: check_close(name, case.outputs(name), want, case.dtype)
+            for name in impls if name != PAGEDKV}
+
+
+def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -> dict:
+    bw = settings.bw(t)
+    results = {}
+    for name, tm in timings.items():
+        r = tm.as_dict()
+        r["gbps"] = case.kv_bytes / tm.median / 1e9
+        r["pct_bw"] = 100.0 * case.kv_bytes / tm.median / bw if bw else None
+        r["gflops"] = case.flops / tm.median / 1e9
+        if name != PAGEDKV:
+            r["max_rel_err_vs_pagedkv"] = errors[name]
+        results[name] = r
+    ratios = {name: paired_ratio(tm, timings[PAGEDKV])
+              for name, tm in timings.items() if name != PAGEDKV}
+    return {"suite": "decode", "dtype": case.dtype, "threads": t, "B": case.B, "L": case.L,
+            "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "block_size": BLOCK_SIZE,
+            "kv_bytes": case.kv_bytes, "flops": case.flops, "results": results,
+            "ratios": ratios, "skipped": skipped}
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    recs = [r for r in recs if r["suite"] == "decode"]
+    if not recs:
+        return ""
+    sh = recs[0]
+    head = (f"Decode: one query per sequence, Hq={sh['Hq']} Hkv={sh['Hkv']} D={sh['D']}, "
+            f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
+            "%BW is against the\nmeasured read bandwidth at the same thread count; "
+            "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
+            "faster).")
+    rows = []
+    for r in recs:
+        first = True
+        for name in IMPLS:
+            res = r["results"].get(name)
+            if res is None and not (name == TORCH or name in r["skipped"]):
+                continue
+            cfg = ([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])]
+                   if first else ["", "", "", ""])
+            first = False
+            if res is None:
+                why = "skipped" if name in r["skipped"] else "n/a"
+                rows.append(cfg + [name, why, "", "", "", ""])
+                continue
+            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_num(res["gbps"]),
+                               fmt_pct(res["pct_bw"]), fmt_num(res["gflops"]), speed])
+    right = [False, True, True, True, False, True, True, True, True, True]
+    return head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "GB/s", "%BW",
+                                "GFLOP/s", "pagedkv speedup"], rows, right)

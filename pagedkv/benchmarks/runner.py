@@ -1,0 +1,341 @@
+"""Runs the suites, prints the report and the targets, writes JSON and PNG."""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+from pagedkv.benchmarks import append as append_suite
+from pagedkv.benchmarks import bandwidth as bandwidth_suite
+from pagedkv.benchmarks import decode as decode_suite
+from pagedkv.benchmarks import prefill as prefill_suite
+from pagedkv.benchmarks.common import (
+    PAGEDKV,
+    Progress,
+    Settings,
+    fmt_bytes,
+    fmt_num,
+    fmt_pct,
+    fmt_ratio,
+    fmt_time,
+    load_torch,
+    machine_info,
+    numpy_threads_note,
+    parse_dtypes,
+    parse_threads,
+    short_dtype,
+    table,
+    write_json,
+)
+
+SUITES = ("bandwidth", "decode", "prefill", "append", "streaming")
+STREAMING_MODULE = "pagedkv.benchmarks.streaming"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="a reduced run (< 1 minute): the target configurations only, 3 repeats")
+    p.add_argument("--json", metavar="PATH", help="write every measurement to PATH as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG summary (needs matplotlib)")
+    p.add_argument("--threads", default="1,all", metavar="LIST",
+                   help="thread counts, e.g. '1,all' (default) or '1,2,4'")
+    p.add_argument("--dtypes", default="f32,f64", metavar="LIST",
+                   help="f32, f64 or both (default: f32,f64)")
+    p.add_argument("--suites", default=",".join(SUITES), metavar="LIST",
+                   help=f"comma-separated subset of {','.join(SUITES)} (default: all)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip the torch baselines even if torch is installed")
+    p.add_argument("--repeats", type=int, default=None, metavar="N",
+                   help="interleaved rounds per configuration (default 5, --quick 3)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    # test-only: minute shapes so that the whole pipeline runs in seconds
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+
+
+def parse_suites(text: str) -> List[str]:
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part == "all":
+            return list(SUITES)
+        if part not in SUITES:
+            raise ValueError(f"unknown suite {part!r}; choose from {', '.join(SUITES)}")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise ValueError("no suite given")
+    return out
+
+
+def run_bench(argv: Optional[List[str]] = None) -> int:
+    """`pagedkv bench` (argv excludes the subcommand)."""
+    p = argparse.ArgumentParser(prog="pagedkv bench",
+                                description="Benchmark pagedkv against NumPy and torch on "
+                                            "this machine.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_suites(args)[1]
+    except ValueError as e:
+        p.error(str(e))
+        return 2  # pragma: no cover - p.error exits
+
+
+def run_suites(args: argparse.Namespace, out=None):
+    """Run what `args` asks for; returns (results dict, exit status)."""
+    out = sys.stdout if out is None else out
+    t_start = time.perf_counter()
+    suites = parse_suites(args.suites)
+    threads = parse_threads(args.threads)
+    dtypes = parse_dtypes(args.dtypes)
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    quick = bool(args.quick)
+    tiny = bool(getattr(args, "tiny", False))
+    repeats = args.repeats if args.repeats is not None else (3 if (quick or tiny) else 5)
+    settings = Settings(threads=threads, dtypes=dtypes, repeats=repeats, quick=quick, tiny=tiny,
+                        use_torch=not args.no_torch,
+                        target=0.01 if tiny else (0.02 if quick else 0.05),
+                        gap=0.0 if tiny else 0.01)
+    if "decode" in suites and "bandwidth" not in suites:
+        suites.insert(0, "bandwidth")  # %BW needs it
+        settings.note("bandwidth measured because decode reports % of it")
+    suites = [s for s in SUITES if s in suites]  # canonical order
+
+    torch = load_torch(settings)
+    info = machine_info()
+    info["torch"] = getattr(torch, "__version__", None)
+    info["numpy_threads"] = numpy_threads_note()
+    info["loadavg_start"] = _loadavg()
+    if tiny:
+        settings.note("--tiny: test-only shapes; figures are not meaningful")
+
+    total = 0
+    for name in suites:
+        mod = _SUITE_MODULES.get(name)
+        total += mod.steps(settings) if mod is not None else 1
+    progress = Progress(total, enabled=not args.no_progress)
+    settings.progress = progress
+
+    _print(out, _header(info, settings, suites))
+    results: Dict[str, object] = {"meta": {**info, "threads": threads, "dtypes": dtypes,
+                                           "suites": suites, "repeats": repeats, "quick": quick,
+                                           "tiny": tiny, "argv": sys.argv},
+                                  "bandwidth": {}, "records": []}
+    records: List[dict] = results["records"]  # type: ignore[assignment]
+    status = 0
+    for name in suites:
+        if name == "bandwidth":
+            bandwidth_suite.run(settings)
+            records.extend(bandwidth_suite.records(settings))
+            results["bandwidth"] = {str(t): bw for t, bw in settings.bandwidth.items()}
+            text = bandwidth_suite.report(settings)
+        elif name == "streaming":
+            progress.start("streaming")
+            rec, text = _run_streaming(settings)
+            records.append(rec)
+            progress.step()
+        else:
+            mod = _SUITE_MODULES[name]
+            recs = mod.run(settings)
+            records.extend(recs)
+            text = mod.report(settings, recs)
+        gc.collect()
+        progress.close()
+        _print(out, text)
+
+    targets = compute_targets(records, settings)
+    results["targets"] = targets
+    progress.close()
+    _print(out, format_targets(targets))
+    if settings.notes:
+        _print(out, "Notes:\n" + "\n".join(f"- {n}" for n in settings.notes))
+    results["notes"] = list(settings.notes)
+    elapsed = time.perf_counter() - t_start
+    results["elapsed_s"] = elapsed
+    results["meta"]["loadavg_end"] = _loadavg()  # type: ignore[index]
+    if args.json:
+        write_json(args.json, results)
+        out.write(f"JSON written to {args.json}\n")
+    if args.plot:
+        from pagedkv.benchmarks.plot import plot_results
+
+        try:
+            plot_results(results, args.plot)
+        except ImportError:
+            out.write("--plot needs matplotlib: pip install 'pagedkv[bench]' (no plot written)\n")
+            status = 1
+        else:
+            out.write(f"plot written to {args.plot}\n")
+    out.write(f"Total time {elapsed:.1f} s\n")
+    out.flush()
+    return results, status
+
+
+_SUITE_MODULES = {"bandwidth": bandwidth_suite, "decode": decode_suite,
+                  "prefill": prefill_suite, "append": append_suite}
+
+
+def _print(out, text: str) -> None:
+    if text:
+        out.write(text.rstrip("\n") + "\n\n")
+        out.flush()
+
+
+def _header(info: dict, settings: Settings, suites: List[str]) -> str:
+    lines = [
+        f"pagedkv {info['pagedkv']} bench - {info['cpu']}, {info['logical_cpus']} logical CPUs",
+        f"SIMD path {info['simd_backend']} (supported: {', '.join(info['simd_supported'])}), "
+        f"OpenMP {'yes' if info['openmp'] else 'no'}, NumPy {info['numpy']}, "
+        f"torch {info['torch'] or 'n/a'}",
+        f"suites: {', '.join(suites)}; threads {settings.threads}; dtypes "
+        f"{', '.join(short_dtype(d) for d in settings.dtypes)}; {settings.repeats} interleaved "
+        "rounds per configuration, medians",
+        info["numpy_threads"] + ".",
+    ]
+    load = info.get("loadavg_start")
+    if load is not None and load[0] > 0.5 * info["logical_cpus"]:
+        lines.append(f"WARNING: the machine is busy (load average {load[0]:.1f} on "
+                     f"{info['logical_cpus']} CPUs): absolute figures are unreliable, "
+                     "multi-threaded ones most; paired ratios suffer less.")
+    return "\n".join(lines)
+
+
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        return None
+
+
+# ---------------------------------------------------------------------------
+# streaming (another module, present or not)
+
+
+def _run_streaming(settings: Settings):
+    try:
+        mod = importlib.import_module(STREAMING_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != STREAMING_MODULE:
+            raise
+        msg = (f"StreamingLLM benchmark unavailable: {STREAMING_MODULE} is not installed in "
+               "this version of pagedkv")
+        return {"suite": "streaming", "available": False, "reason": msg}, msg
+    kwargs = {"quick": settings.quick or settings.tiny}
+    if settings.tiny:
+        kwargs["tokens"] = 2000
+    res = mod.run(**kwargs)
+    lines = ["StreamingLLM (" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"]
+    if isinstance(res, dict):
+        width = max((len(str(k)) for k in res), default=0)
+        for k, v in res.items():
+            lines.append(f"  {str(k).ljust(width)}  {v}")
+    else:
+        lines.append(f"  {res}")
+    return {"suite": "streaming", "available": True, "result": res}, "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# targets
+
+
+def _find(records, **want):
+    for r in records:
+        if all(r.get(k) == v for k, v in want.items()):
+            return r
+    return None
+
+
+def compute_targets(records: List[dict], settings: Settings) -> dict:
+    """The figures the issue asks to judge, read off the records (None where
+    the configuration was not run)."""
+    tmax = max(settings.threads)
+    tcounts = sorted(set(settings.threads) & {1, tmax}) or sorted(settings.threads)
+    out: dict = {"decode": [], "small_call": [], "prefill": None, "append": None}
+    for dtype in ("float32", "float64"):
+        for B, L in ((8, 2048), (1, 8192)):
+            for t in tcounts:
+                r = _find(records, suite="decode", dtype=dtype, B=B, L=L, threads=t)
+                if r is None:
+                    continue
+                p = r["results"][PAGEDKV]
+                tr = r["results"].get(decode_suite.TORCH)
+                out["decode"].append({
+                    "dtype": dtype, "B": B, "L": L, "threads": t, "gbps": p["gbps"],
+                    "pct_bw": p["pct_bw"], "time_s": p["median_s"],
+                    "torch_time_s": tr["median_s"] if tr else None,
+                    "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
+    for dtype in ("float32", "float64"):
+        for t in tcounts:
+            r = _find(records, suite="decode", dtype=dtype, B=1, L=16, threads=t)
+            if r is None:
+                continue
+            tr = r["results"].get(decode_suite.TORCH)
+            out["small_call"].append({
+                "dtype": dtype, "threads": t, "us_per_call": r["results"][PAGEDKV]["median_s"] * 1e6,
+                "torch_us_per_call": tr["median_s"] * 1e6 if tr else None,
+                "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
+    r = _find(records, suite="prefill", dtype="float32", L=2048, threads=tmax)
+    if r is not None:
+        tr = r["results"].get(prefill_suite.TORCH)
+        out["prefill"] = {"dtype": "float32", "L": 2048, "threads": tmax,
+                          "gflops": r["results"][PAGEDKV]["gflops"],
+                          "torch_gflops": tr["gflops"] if tr else None,
+                          "torch_variant": r.get("torch_variant"),
+                          "ratio_vs_torch": r["ratios"].get(prefill_suite.TORCH)}
+    r = _find(records, suite="append", dtype="float32", call="append")
+    if r is not None:
+        p = r["results"][PAGEDKV]
+        out["append"] = {"dtype": "float32", "token_shape": r["token_shape"],
+                         "us_per_call": p["us_per_call"],
+                         "numpy_us_per_call": r["results"][append_suite.NUMPY]["us_per_call"],
+                         "torch_us_per_call": (r["results"][append_suite.TORCH]["us_per_call"]
+                                               if append_suite.TORCH in r["results"] else None),
+                         "tracemalloc_calls": p["tracemalloc"]["calls"],
+                         "tracemalloc_peak_bytes": p["tracemalloc"]["peak_bytes"],
+                         "tracemalloc_net_bytes": p["tracemalloc"]["net_bytes"]}
+    return out
+
+
+def format_targets(t: dict) -> str:
+    lines = ["Targets (pagedkv; ratio = torch time / pagedkv time at the same thread count)"]
+    rows = []
+    for d in t["decode"]:
+        rows.append([f"decode {short_dtype(d['dtype'])} B={d['B']} L={d['L']}", str(d["threads"]),
+                     fmt_time(d["time_s"]), f"{fmt_num(d['gbps'])} GB/s = {fmt_pct(d['pct_bw'])} "
+                     "of measured BW",
+                     f"torch-sdpa(folded GQA) {fmt_time(d['torch_time_s'])}",
+                     fmt_ratio(d["ratio_vs_torch"])])
+    for d in t["small_call"]:
+        rows.append([f"small call {short_dtype(d['dtype'])} B=1 L=16", str(d["threads"]),
+                     fmt_time(d["us_per_call"] * 1e-6), "per attend_batch call",
+                     "torch-sdpa " + fmt_time(d["torch_us_per_call"] * 1e-6
+                                              if d["torch_us_per_call"] is not None else None),
+                     fmt_ratio(d["ratio_vs_torch"])])
+    p = t["prefill"]
+    if p is not None:
+        rows.append([f"prefill causal f32 L={p['L']}", str(p["threads"]), "",
+                     f"{fmt_num(p['gflops'])} useful GFLOP/s",
+                     f"torch-sdpa {fmt_num(p['torch_gflops'])} GFLOP/s",
+                     fmt_ratio(p["ratio_vs_torch"])])
+    a = t["append"]
+    if a is not None:
+        shape = "x".join(str(s) for s in a["token_shape"])
+        torch_us = a["torch_us_per_call"]
+        rows.append([f"append one token [{shape}] f32", "1", fmt_time(a["us_per_call"] * 1e-6),
+                     f"alloc {fmt_bytes(a['tracemalloc_peak_bytes'])} peak, "
+                     f"{fmt_bytes(a['tracemalloc_net_bytes'])} net / {a['tracemalloc_calls']:,} calls",
+                     f"numpy {fmt_time(a['numpy_us_per_call'] * 1e-6)}, torch "
+                     f"{fmt_time(torch_us * 1e-6 if torch_us is not None else None)}", ""])
+    if not rows:
+        return lines[0] + "\n  (none of the target configurations was run)"
+    right = [False, True, True, False, False, True]
+    return lines[0] + "\n" + table(["target", "thr", "time", "figure", "baseline", "ratio"],
+                                   rows, right)
+
