@@ -222,7 +222,7 @@ def report(settings: Settings, recs: List[dict]) -> str:
             cfg = [short_dtype(r["dtype"]), call] if first else ["", ""]
             first = False
             if res is None:
-                rows.append(cfg + [name, "n/a", "", "", "", ""])
+                rows.append(cfg + [name, "n/a", "", "", ""])
                 continue
             a = res["tracemalloc"]
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import inspect
 import os
 import sys
 import time
@@ -230,12 +231,19 @@ def _run_streaming(settings: Settings):
     kwargs = {"quick": settings.quick or settings.tiny}
     if settings.tiny:
         kwargs["tokens"] = 2000
+    shown = dict(kwargs)
+    try:
+        if "verbose" in inspect.signature(mod.run).parameters:
+            kwargs["verbose"] = False  # the report below says it; keep the progress bar clean
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        pass
     res = mod.run(**kwargs)
-    lines = ["StreamingLLM (" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"]
+    lines = ["StreamingLLM (" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"]
     if isinstance(res, dict):
         width = max((len(str(k)) for k in res), default=0)
         for k, v in res.items():
-            lines.append(f"  {str(k).ljust(width)}  {v}")
+            lines.append(f"  {str(k).ljust(width)}  {v:.4g}" if isinstance(v, float)
+                         else f"  {str(k).ljust(width)}  {v}")
     else:
         lines.append(f"  {res}")
     return {"suite": "streaming", "available": True, "result": res}, "\n".join(lines)

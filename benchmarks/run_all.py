@@ -1,0 +1,11 @@
+"""Every suite of `pagedkv bench`: bandwidth, decode, prefill, append, streaming.
+
+Usage: python benchmarks/run_all.py [--quick] [--json PATH] [--plot PATH] ...
+(the options of `pagedkv bench`; see benchmarks/README.md)
+"""
+import sys
+
+from pagedkv.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))

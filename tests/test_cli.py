@@ -1,0 +1,113 @@
+"""The `pagedkv` command line: `bench` end to end on test-only shapes, and `demo`."""
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from pagedkv.cli import main
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _positive_finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _bench(tmp_path, *args):
+    path = tmp_path / "bench.json"
+    rc = main(["bench", "--tiny", "--no-progress", "--repeats", "2", "--json", str(path), *args])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+def test_bench_bandwidth_and_decode(tmp_path, capsys):
+    data = _bench(tmp_path, "--suites", "bandwidth,decode", "--threads", "1,all")
+    threads = data["meta"]["threads"]
+    assert threads[0] == 1
+    bw = [r for r in data["records"] if r["suite"] == "bandwidth"]
+    assert sorted(r["threads"] for r in bw) == sorted(threads)
+    assert all(_positive_finite(r["bytes_per_s"]) for r in bw)
+
+    dec = [r for r in data["records"] if r["suite"] == "decode"]
+    # 2 dtypes x 2 (B, L) configurations x thread counts
+    assert len(dec) == 2 * 2 * len(threads)
+    assert {r["dtype"] for r in dec} == {"float32", "float64"}
+    want = {"pagedkv", "numpy", "numpy-gather"} | ({"torch-sdpa"} if HAVE_TORCH else set())
+    for r in dec:
+        assert set(r["results"]) == want
+        assert set(r["ratios"]) == want - {"pagedkv"}
+        assert all(_positive_finite(x) for x in r["ratios"].values())
+        for res in r["results"].values():
+            assert _positive_finite(res["median_s"])
+            assert _positive_finite(res["gbps"]) and _positive_finite(res["pct_bw"])
+            assert len(res["samples_s"]) == 2
+        for name, res in r["results"].items():
+            if name != "pagedkv":  # each baseline was checked against pagedkv
+                assert res["max_rel_err_vs_pagedkv"] <= 1e-4
+    out = capsys.readouterr().out
+    assert "Decode" in out and "Targets" in out and "pagedkv speedup" in out
+
+
+def test_bench_prefill_append_without_torch(tmp_path, capsys):
+    data = _bench(tmp_path, "--suites", "prefill,append", "--threads", "1", "--dtypes", "f32",
+                  "--no-torch")
+    pre = [r for r in data["records"] if r["suite"] == "prefill"]
+    app = [r for r in data["records"] if r["suite"] == "append"]
+    assert len(pre) == 1 and set(pre[0]["results"]) == {"pagedkv", "numpy"}
+    assert _positive_finite(pre[0]["results"]["pagedkv"]["gflops"])
+    assert _positive_finite(pre[0]["ratios"]["numpy"])
+    assert [r["call"] for r in app] == ["append", "append_batch"]
+    for r in app:
+        assert set(r["results"]) == {"pagedkv", "numpy"}
+        assert _positive_finite(r["ratios"]["numpy"])
+        alloc = r["results"]["pagedkv"]["tracemalloc"]
+        assert alloc["calls"] > 0 and alloc["peak_bytes"] >= 0
+    assert data["targets"]["append"]["us_per_call"] > 0
+    out = capsys.readouterr().out
+    assert "n/a" in out  # the torch rows
+
+
+def test_bench_streaming_unavailable_is_said(tmp_path, monkeypatch):
+    from pagedkv.benchmarks import runner
+
+    monkeypatch.setattr(runner, "STREAMING_MODULE", "pagedkv.benchmarks._no_such_module")
+    data = _bench(tmp_path, "--suites", "streaming")
+    (rec,) = [r for r in data["records"] if r["suite"] == "streaming"]
+    assert rec["available"] is False and "unavailable" in rec["reason"]
+
+
+def test_bench_streaming_runs_the_module_when_present(tmp_path, monkeypatch, capsys):
+    from pagedkv.benchmarks import runner
+
+    calls = []
+    fake = types.ModuleType("fake_streaming")
+
+    def run(tokens=100_000, sink=4, window=1020, quick=False):
+        calls.append((tokens, quick))
+        return {"tokens": tokens, "paged_us_median": 12.5}
+
+    fake.run = run
+    monkeypatch.setitem(sys.modules, "fake_streaming", fake)
+    monkeypatch.setattr(runner, "STREAMING_MODULE", "fake_streaming")
+    data = _bench(tmp_path, "--suites", "streaming")
+    (rec,) = [r for r in data["records"] if r["suite"] == "streaming"]
+    assert rec["available"] is True and rec["result"]["paged_us_median"] == 12.5
+    assert calls and calls[0][1] is True
+    assert "paged_us_median" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--suites", "nonsense"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--dtypes", "f16"])
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--steps", "4", "--batch", "2", "--prompt", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "decoded 4 steps" in out and "fragmentation" in out
