@@ -283,6 +283,9 @@ cdef class CacheCore:
             self.max_blocks_per_seq = _positive_int("max_blocks_per_seq", max_blocks_per_seq)
         if self.num_blocks > 2**31 - 1:
             raise ValueError(f"num_blocks must be < 2**31, got {self.num_blocks}")
+        for name in ("max_seqs", "max_blocks_per_seq"):
+            if int(getattr(self, name)) > 2**31 - 1:
+                raise ValueError(f"{name} must be < 2**31, got {getattr(self, name)}")
         self.dtype_code = _dtype_code(dtype)
         self.typenum = cnp.NPY_FLOAT32 if self.dtype_code == 0 else cnp.NPY_FLOAT64
         self.itemsize = 4 if self.dtype_code == 0 else 8
@@ -291,6 +294,13 @@ cdef class CacheCore:
         self.layer_bytes = self.block_bytes * <size_t>self.num_blocks
         self.sink_tokens = -1
         self.window_tokens = -1
+        # sizes in Python integers first: no C overflow on absurd arguments
+        pool_bytes = (2 * int(self.num_layers) * int(self.num_blocks) * int(self.num_kv_heads)
+                      * int(self.block_size) * int(self.head_dim) * int(self.itemsize))
+        meta_bytes = int(self.max_seqs) * (4 * int(self.max_blocks_per_seq)
+                                           + 8 * int(self.num_layers) + 256)
+        if pool_bytes + meta_bytes > 2**56:
+            raise MemoryError(f"the cache would need {pool_bytes + meta_bytes} bytes")
 
         total = self.layer_bytes * <size_t>self.num_layers
         self.k_data = <char *>_zalloc(total, &self.k_raw)
@@ -579,22 +589,26 @@ cdef class CacheCore:
             raise ValueError("out must be C-contiguous, aligned and writable")
         return out
 
-    cdef int _query_heads(self, object q) except -1:
-        """Hq of a query-shaped input, checked against the GQA rule."""
+    cdef object _query(self, object q, int64_t d0, str d0name, int *hq_out):
+        """q as a C-contiguous [d0, Hq, D] array of the cache dtype; Hq into hq_out."""
         cdef int hq
-        if cnp.PyArray_Check(q) and cnp.PyArray_NDIM(q) == 3:
-            hq = <int>cnp.PyArray_DIMS(q)[1]
-        else:
-            shape = np.shape(q)
-            if len(shape) != 3:
-                raise ValueError(
-                    f"q must have shape [n, Hq, {self.head_dim}], got shape {tuple(shape)}")
-            hq = shape[1]
+        if not cnp.PyArray_Check(q):
+            try:
+                q = np.asarray(q)
+            except Exception as e:
+                raise TypeError(f"q must be a float array, got {type(q).__name__}") from e
+        if cnp.PyArray_TYPE(q) != self.typenum and q.dtype.kind != "f":
+            raise TypeError(f"q must be a float array (float16/32/64), got dtype {q.dtype}")
+        if cnp.PyArray_NDIM(q) != 3:
+            raise ValueError(
+                f"q must have shape [{d0name}, Hq, {self.head_dim}], got shape {np.shape(q)}")
+        hq = <int>cnp.PyArray_DIMS(q)[1]
         if hq < 1 or hq % self.num_kv_heads != 0:
             raise ValueError(
                 f"q has {hq} heads; the number of query heads must be a positive "
                 f"multiple of num_kv_heads={self.num_kv_heads}")
-        return hq
+        hq_out[0] = hq
+        return self._input(q, "q", d0, hq, self.head_dim, d0name)
 
     # ------------------------------------------------------------------
     # planning an append (no state changes)
@@ -660,8 +674,13 @@ cdef class CacheCore:
         k = j + 1
         # the write segment must end at b1 (possibly empty when R == 0)
         if R == 0 or x1[k - 1] != s.b1:
-            x0[k] = s.b1; x1[k] = s.b1; xo[k] = p.off1; k += 1
-            if k >= 2 and x1[k - 2] == s.b1 and xo[k - 2] == p.off1:
+            lo = s.b1; r = p.off1
+            if lo % bs != 0 and (k == 0 or x1[k - 1] <= lo - lo % bs):
+                # the block being filled keeps no token: the next write starts a fresh
+                # block (same stream position) so this one is dropped with the gap
+                lo += bs - lo % bs; r = p.off1 + s.b1 - lo
+            x0[k] = lo; x1[k] = lo; xo[k] = r; k += 1
+            if k >= 2 and x1[k - 2] == lo and xo[k - 2] == r:
                 k -= 1
         if k > 2:
             raise ValueError(
@@ -779,9 +798,9 @@ cdef class CacheCore:
         cdef int32_t *table = self.tables + slot * self.max_blocks_per_seq
         cdef size_t lo = <size_t>layer * self.layer_bytes
         pkv_write_tokens(self.k_data + lo, table, self.block_size, self.num_kv_heads,
-                         self.row_bytes, slot0, n, k)
+                         self.row_bytes, slot0, n, k, _simd)
         pkv_write_tokens(self.v_data + lo, table, self.block_size, self.num_kv_heads,
-                         self.row_bytes, slot0, n, v)
+                         self.row_bytes, slot0, n, v, _simd)
 
     cdef int _check_layer_append(self, int64_t slot, int layer, int64_t n) except -1:
         cdef int64_t total = self.segs[slot].b1 + self.off1[slot]
@@ -937,8 +956,8 @@ cdef class CacheCore:
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
         cdef int64_t slot = self._slot(sid)
         cdef int l = self._check_layer(layer)
-        cdef int hq = self._query_heads(q)
-        q = self._input(q, "q", -1, hq, self.head_dim, "n")
+        cdef int hq
+        q = self._query(q, -1, "n", &hq)
         cdef int64_t n = cnp.PyArray_DIMS(q)[0]
         cdef double sc = self._scale(scale)
         self._check_attendable(slot, l, n)
@@ -965,7 +984,7 @@ cdef class CacheCore:
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
         cdef int l = self._check_layer(layer)
         cdef int64_t B, i, slot
-        cdef int hq = self._query_heads(q)
+        cdef int hq
         try:
             B = len(sids)
         except TypeError:
@@ -974,7 +993,7 @@ cdef class CacheCore:
             raise ValueError("sids must name at least one sequence")
         if B > self.max_seqs:
             raise ValueError(f"{B} sequence ids given; the cache holds at most {self.max_seqs}")
-        q = self._input(q, "q", B, hq, self.head_dim, "B")
+        q = self._query(q, B, "B", &hq)
         cdef double sc = self._scale(scale)
         for i in range(B):
             slot = self._slot(sids[i])
