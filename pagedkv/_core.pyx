@@ -264,6 +264,7 @@ cdef class CacheCore:
         readonly int64_t evicted_blocks
         readonly int64_t peak_used
         void *_r[19]              # raw pointers of the metadata arrays, for free()
+        bint busy                 # a kernel runs without the GIL on this cache
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
                  dtype="float32", max_seqs=256, max_blocks_per_seq=None,
@@ -421,8 +422,15 @@ cdef class CacheCore:
     # ------------------------------------------------------------------
     # sequence lookup
 
+    cdef inline int _check_idle(self) except -1:
+        if self.busy:
+            raise RuntimeError(
+                "this cache is in use by another thread (a cache serves one call at a time)")
+        return 0
+
     cdef inline int64_t _slot(self, object sid) except -1:
         cdef long long s
+        self._check_idle()
         if type(sid) is not int and (not isinstance(sid, (int, np.integer))
                                      or isinstance(sid, (bool, np.bool_))):
             raise TypeError(f"sequence id must be an int, got {type(sid).__name__}")
@@ -831,6 +839,7 @@ cdef class CacheCore:
         v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n")
         cdef _Plan p
         cdef int64_t total
+        self._check_idle()  # input conversion may have let another thread in
         if l == 0:
             self._plan(slot, n, &p)
             self._check_capacity(p.new_blocks + p.cow, p.freed, p.keep_nblk + p.new_blocks)
@@ -877,6 +886,7 @@ cdef class CacheCore:
         cdef size_t tok = self.num_kv_heads * self.row_bytes
         cdef int32_t *table
         cdef int64_t bs = self.block_size
+        self._check_idle()  # input conversion may have let another thread in
         if l == 0:
             for i in range(B):
                 slot = self.b_slots[i]
@@ -972,11 +982,14 @@ cdef class CacheCore:
         self.b_segs[0] = self.segs[slot]
         a.nseq = 1
         a.nq = n
+        self._check_idle()
+        self.busy = True
         with nogil:
             if n == 1:
                 pkv_decode(&a, self.dtype_code, _simd)
             else:
                 pkv_prefill(&a, self.dtype_code, _simd)
+        self.busy = False
         self._touch(slot)
         return out
 
@@ -1010,8 +1023,11 @@ cdef class CacheCore:
         a.partial_slots = 2 * self.scratch_threads
         a.nseq = B
         a.nq = 1
+        self._check_idle()
+        self.busy = True
         with nogil:
             pkv_decode(&a, self.dtype_code, _simd)
+        self.busy = False
         for i in range(B):
             self._touch(self.b_slots[i])
         return out
@@ -1032,6 +1048,8 @@ cdef class CacheCore:
         v = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
         cdef char *kp = <char *>cnp.PyArray_DATA(k)
         cdef char *vp = <char *>cnp.PyArray_DATA(v)
+        self._check_idle()
+        self.busy = True
         with nogil:
             pkv_read_tokens(self.k_data + lo, table, self.block_size, self.num_kv_heads,
                             self.row_bytes, s.a0, s.a1, kp)
@@ -1041,6 +1059,7 @@ cdef class CacheCore:
                             self.row_bytes, s.b0, s.b1, kp + n0 * tok)
             pkv_read_tokens(self.v_data + lo, table, self.block_size, self.num_kv_heads,
                             self.row_bytes, s.b0, s.b1, vp + n0 * tok)
+        self.busy = False
         return k, v
 
     def fork(self, sid):
