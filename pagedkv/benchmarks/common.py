@@ -48,6 +48,7 @@ class Settings:
     use_torch: bool = True
     target: float = 0.05         # seconds per timed sample
     gap: float = 0.01            # idle seconds before each sample (lets spinning thread pools sleep)
+    budget: Optional[float] = None  # seconds per configuration after which rounds stop (>= 3)
     progress: Optional["Progress"] = None
     bandwidth: Dict[int, float] = field(default_factory=dict)  # threads -> bytes/s
     notes: List[str] = field(default_factory=list)
@@ -192,7 +193,8 @@ class Timing:
 
     def as_dict(self) -> dict:
         return {"median_s": self.median, "min_s": min(self.samples), "max_s": max(self.samples),
-                "samples_s": list(self.samples), "inner": self.inner}
+                "rounds": len(self.samples), "samples_s": list(self.samples),
+                "inner": self.inner}
 
 
 @dataclass
@@ -218,35 +220,58 @@ def _timed(impl: Impl, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def calibrate(impl: Impl, target: float, max_inner: int = 100_000) -> int:
-    """Calls per sample so that a sample lasts about `target` seconds."""
+def calibrate(impl: Impl, target: float, max_inner: int = 100_000,
+              first: Optional[float] = None) -> int:
+    """Calls per sample so that a sample lasts about `target` seconds.
+    `first`: an already measured duration of one call (saves a call)."""
     if impl.inner is not None:
         return impl.inner
     n = 1
-    for _ in range(4):
-        dt = _timed(impl, n)
+    for i in range(4):
+        dt = first if (i == 0 and first is not None) else _timed(impl, n)
         if dt >= 0.5 * target or n >= max_inner:
             break
         n = min(max_inner, max(n + 1, int(math.ceil(n * target / max(dt, 1e-7)))))
     return n
 
 
+def timed_once(impls: Dict[str, Impl]) -> Dict[str, float]:
+    """Run every implementation once (a warm-up, e.g. for a correctness
+    check); returns the seconds each took, for ``measure(prior=...)``."""
+    return {name: _timed(impl, 1) for name, impl in impls.items()}
+
+
 def measure(impls: Dict[str, Impl], settings: Settings, repeats: Optional[int] = None,
-            warmup: int = 1) -> Dict[str, Timing]:
-    """Interleaved timing of every implementation (see the module docstring)."""
+            warmup: int = 1, prior: Optional[Dict[str, float]] = None) -> Dict[str, Timing]:
+    """Interleaved timing of every implementation (see the module docstring).
+
+    `prior`: seconds of one call already made (it then replaces the warm-up
+    and the first calibration call).  When a configuration has used more
+    than ``settings.budget`` seconds after at least 3 rounds, the remaining
+    rounds are dropped (and a note says so)."""
     repeats = settings.repeats if repeats is None else repeats
     names = list(impls)
+    prior = prior or {}
     for name in names:
-        for _ in range(warmup):
-            _timed(impls[name], 1)
-    inner = {name: calibrate(impls[name], settings.target) for name in names}
+        if name not in prior:
+            for _ in range(warmup):
+                _timed(impls[name], 1)
+    inner = {name: calibrate(impls[name], settings.target, first=prior.get(name))
+             for name in names}
     samples: Dict[str, List[float]] = {name: [] for name in names}
+    t0 = time.perf_counter()
     for r in range(max(1, repeats)):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             if settings.gap:
                 time.sleep(settings.gap)
             samples[name].append(_timed(impls[name], inner[name]) / inner[name])
+        if (settings.budget is not None and r + 1 >= min(3, repeats) and r + 1 < repeats
+                and time.perf_counter() - t0 > settings.budget):
+            settings.note(f"a time budget ({settings.budget:.0f} s per configuration) cut some "
+                          "slow configurations to fewer rounds than --repeats (at least 3; "
+                          "'rounds' in the JSON)")
+            break
     return {name: Timing(samples[name], inner[name]) for name in names}
 
 

@@ -44,6 +44,7 @@ from pagedkv.benchmarks.common import (
     paired_ratio,
     short_dtype,
     table,
+    timed_once,
 )
 
 NUMPY = "numpy"
@@ -214,8 +215,9 @@ def run(settings: Settings) -> List[dict]:
                     if settings.progress is not None:
                         settings.progress.start(label)
                     with ThreadScope(t, torch):
+                        first = timed_once(impls)   # warm-up, and the outputs to check
                         errors = _verify(case, impls)
-                        timings = measure(impls, settings)
+                        timings = measure(impls, settings, prior=first)
                     recs.append(_record(settings, case, t, timings, errors,
                                         skipped=[GATHER] if skip_gather else []))
                     if settings.progress is not None:
@@ -228,8 +230,6 @@ def run(settings: Settings) -> List[dict]:
 
 
 def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
-    for name, impl in impls.items():
-        impl.run(1)
     want = case.outputs(PAGEDKV)
     return {name: check_close(name, case.outputs(name), want, case.dtype)
             for name in impls if name != PAGEDKV}

@@ -38,6 +38,7 @@ from pagedkv.benchmarks.common import (
     paired_ratio,
     short_dtype,
     table,
+    timed_once,
 )
 from pagedkv.benchmarks.decode import BLOCK_SIZE, Shape, shape
 
@@ -175,7 +176,12 @@ def run(settings: Settings) -> List[dict]:
             gc.collect()
             cases[key] = _Case(dtype, L, sh, torch, seed=7 + i)
         case = cases[key]
-        impls = {PAGEDKV: Impl(case.run_pagedkv), NUMPY: Impl(case.run_numpy)}
+        impls = {PAGEDKV: Impl(case.run_pagedkv)}
+        if settings.quick:
+            settings.note("--quick: the NumPy prefill baseline is skipped (not a target; "
+                          "the full run has it)")
+        else:
+            impls[NUMPY] = Impl(case.run_numpy)
         if torch is not None:
             if gqa:
                 impls[TORCH_GQA] = Impl(case.run_torch_gqa)
@@ -184,13 +190,13 @@ def run(settings: Settings) -> List[dict]:
         if settings.progress is not None:
             settings.progress.start(label)
         with ThreadScope(t, torch):
-            for impl in impls.values():
-                impl.run(1)
+            first = timed_once(impls)  # warm-up, and the outputs to check
             want = case.outputs(PAGEDKV)
             errors = {name: check_close(name, case.outputs(name), want, dtype)
                       for name in impls if name != PAGEDKV}
-            timings = measure(impls, settings, warmup=0)
+            timings = measure(impls, settings, prior=first)
         recs.append(_record(settings, case, t, timings, errors))
+        recs[-1]["skipped"] = [] if NUMPY in impls else [NUMPY]
         if settings.progress is not None:
             settings.progress.step()
     for old in cases.values():
@@ -240,7 +246,8 @@ def report(settings: Settings, recs: List[dict]) -> str:
                    else ["", "", ""])
             first = False
             if res is None:
-                rows.append(cfg + [name, "n/a", "", ""])
+                rows.append(cfg + [name, "skipped" if name in r.get("skipped", ()) else "n/a",
+                                   "", ""])
                 continue
             label = name
             if name == TORCH:
