@@ -80,9 +80,12 @@ class PaperLoop:
             self.v[layer] = np.concatenate([self.v[layer], v])
 
     def truncate(self, length):
+        """Roll back to the first `length` held tokens; the next token follows the last
+        one kept (a no-op when nothing is rolled back)."""
         assert length >= 1
-        self.keep(list(range(length)))
-        self.next_pos = self.pos[-1] + 1
+        if length < len(self.pos):
+            self.keep(list(range(length)))
+            self.next_pos = self.pos[-1] + 1
 
     def attention(self, layer, q, scale, rope):
         m, n = len(self.pos), q.shape[0]
@@ -195,6 +198,32 @@ def test_paper_loop(rng, sink, window, block_size, use_rope, multi):
     assert s.evictions_by_cause.get("streaming_llm.tokens") == model.evicted
     assert s.cow_copies == 0
     assert s.blocks_allocated - s.blocks_freed == cache.num_seq_blocks(sid)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "chunks"])
+@pytest.mark.parametrize("block_size", [3, 4])
+@pytest.mark.parametrize("sink", [1, 4])
+def test_window_zero(rng, sink, block_size, multi):
+    """R = 0: only the sinks survive each step; a block left with no held token (the one
+    the next write would have continued) is freed too, by per-append and one-shot trims."""
+    layers, hkv, hq, d = 2, 1, 2, 8
+    rope = pagedkv.RoPE()
+    policy = pagedkv.StreamingLLM(sink, 0)
+    cache = pagedkv.PagedKVCache(num_blocks=64, block_size=block_size, num_kv_heads=hkv,
+                                 head_dim=d, num_layers=layers, dtype="float64",
+                                 eviction=policy, rope=rope)
+    sid = cache.add_sequence()
+    model = PaperLoop(sink, 0, layers, hkv, d, np.float64)
+    steps = [int(rng.integers(1, 3 * block_size)) if multi else 1 for _ in range(30)]
+    for n in [sink + 5] + steps:
+        check_step(cache, sid, model, layers, rng, n, hq, rope, np.float64)
+        assert cache.num_free_blocks == cache.num_blocks - cache.num_seq_blocks(sid)
+    assert cache.apply_streaming_llm(sid, sink, 0) > 0
+    model.trim(sink, 0)
+    np.testing.assert_array_equal(cache.kept_positions(sid), model.pos)
+    assert held_blocks_all_live(cache, sid)
+    assert cache.num_seq_blocks(sid) == -(-sink // block_size)
+    check_step(cache, sid, model, layers, rng, 2, hq, rope, np.float64)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
