@@ -1,0 +1,107 @@
+"""Every SIMD path the machine supports, and 1 vs 2 threads, agree with the reference.
+
+The kernel path is chosen once at import (design.md §5), so each configuration runs in a fresh
+interpreter with PAGEDKV_SIMD / OMP_NUM_THREADS set in its environment.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pagedkv
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+SUPPORTED = ["scalar"]
+if {"avx2", "fma"} <= FLAGS:
+    SUPPORTED.append("avx2")
+if "avx512f" in FLAGS:
+    SUPPORTED.append("avx512")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import pagedkv
+    from reference import (assert_attention_close, build_random_cache, math_scale,
+                           random_tokens, ref_attention)
+
+    wanted = os.environ.get("PAGEDKV_SIMD")
+    if wanted:
+        got = pagedkv.simd_backend()
+        assert got == wanted, (got, wanted)
+    rng = np.random.default_rng(20261122)
+    for dtype in ("float32", "float64"):
+        for block_size, head_dim, hkv, ratio, lengths in (
+            (16, 128, 2, 4, [1500, 37, 2049]),
+            (3, 3, 1, 8, [29, 1, 10]),
+            (64, 67, 2, 1, [130, 700]),
+            (1, 17, 2, 2, [5, 40]),
+        ):
+            cache, sids, models = build_random_cache(
+                rng, lengths=lengths, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim,
+                dtype=dtype, max_chunk=256)
+            hq = hkv * ratio
+            q = random_tokens(rng, len(sids), hq, head_dim, dtype)
+            out = cache.attend_batch(sids, q)
+            for b, sid in enumerate(sids):
+                m = models[sid]
+                exp = ref_attention(q[b:b + 1], m.k[0], m.v[0], math_scale(head_dim), len(m) - 1)
+                assert_attention_close(out[b:b + 1], exp, dtype, m.v[0])
+            for sid in sids:
+                m = models[sid]
+                n = min(len(m), 70)
+                qp = random_tokens(rng, n, hq, head_dim, dtype)
+                outp = cache.attend(sid, qp)
+                exp = ref_attention(qp, m.k[0], m.v[0], math_scale(head_dim), len(m) - n)
+                assert_attention_close(outp, exp, dtype, m.v[0])
+    print("SIMD-OK", pagedkv.simd_backend() if hasattr(pagedkv, "simd_backend") else "?")
+    """
+)
+
+
+def _run(env_updates):
+    env = dict(os.environ)
+    env.update(env_updates)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+        cwd=TESTS_DIR,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "SIMD-OK" in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.parametrize("backend", SUPPORTED)
+def test_forced_simd_backend_matches_reference(backend):
+    _run({"PAGEDKV_SIMD": backend})
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_thread_count_matches_reference(threads):
+    _run({"OMP_NUM_THREADS": threads})
+
+
+def test_default_backend_is_a_supported_one():
+    assert pagedkv.simd_backend() in SUPPORTED
