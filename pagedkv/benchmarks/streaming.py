@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -86,14 +87,22 @@ class NaiveWindow:
         return np.matmul(p, self.v[:, :m]).reshape(-1, k.shape[-1])
 
 
-def _summary(us, lo, hi):
-    part = us[lo:hi]
-    return float(part.mean()), float(np.median(part))
+def _cpu_clock():
+    """Per-token CPU time: of this thread when the kernels run on it alone (immune to other
+    processes taking the cores), else of the whole process."""
+    return time.thread_time_ns if pagedkv.get_num_threads() == 1 else time.process_time_ns
+
+
+def _med(a):
+    return float(np.median(a)) if len(a) else float("nan")
 
 
 def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, seed=0,
         verbose=True) -> dict:
-    """Stream `tokens` tokens (quick: 10,000) and return the measurements as a dict."""
+    """Stream `tokens` tokens (quick: 10,000) and return the measurements as a dict.
+
+    Times are per token (append + attend), in microseconds: wall clock and CPU time
+    (see _cpu_clock); summaries are medians, which a busy machine disturbs least."""
     if quick:
         tokens = min(tokens, 10_000)
     if naive_tokens is None:
@@ -111,25 +120,27 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     vs = rng.standard_normal((pool, 1, hkv, d)).astype(np.float32)
     qs = rng.standard_normal((pool, 1, hq, d)).astype(np.float32)
     out = np.empty((1, hq, d), np.float32)
-    ns = np.empty(tokens, np.int64)
+    wall_ns = np.empty(tokens, np.int64)
+    cpu_ns = np.empty(tokens, np.int64)
     held = np.empty(tokens, np.int32)
-    append, attend, nblk, clock = cache.append, cache.attend, cache.num_seq_blocks, time.perf_counter_ns
+    append, attend, nblk = cache.append, cache.attend, cache.num_seq_blocks
+    clock, cpu = time.perf_counter_ns, _cpu_clock()
+    load_before = _load()
 
     t_start = time.perf_counter()
     for t in range(tokens):
         i = t % pool
         k, v, q = ks[i], vs[i], qs[i]
+        c0 = cpu()
         t0 = clock()
         append(sid, k, v)
         attend(sid, q, out=out)
-        ns[t] = clock() - t0
+        t1 = clock()
+        cpu_ns[t] = cpu() - c0
+        wall_ns[t] = t1 - t0
         held[t] = nblk(sid)
-    wall = time.perf_counter() - t_start
-    us = ns / 1e3
-    tenth = max(1, tokens // 10)
-    filled = sink + window + 1  # from here on every step attends to S + R + 1 keys
-    first_mean, first_med = _summary(us, 0, tenth)
-    last_mean, last_med = _summary(us, tokens - tenth, tokens)
+    wall_s = time.perf_counter() - t_start
+    wall, cput = wall_ns / 1e3, cpu_ns / 1e3
 
     # the cache's own answer for the last token vs the re-rotating NumPy computation
     k_held, v_held = cache.gather(sid)
@@ -142,111 +153,127 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     err = float(np.max(np.abs(expected - out[0])) / max(1e-30, np.max(np.abs(v_held))))
 
     naive = {}
+    kt, vt, qt = ks[:, 0], vs[:, 0], qs[:, 0]
     for name, rotate in [("rerotate", True), ("plain", False)]:
         w = NaiveWindow(sink, window, hkv, d, hq, rotate)
         w.k[:] = rng.standard_normal(w.k.shape).astype(np.float32)
         w.v[:] = rng.standard_normal(w.v.shape).astype(np.float32)
         w.m = sink + window + 1
-        kt = ks[:, 0]
-        vt = vs[:, 0]
-        qt = qs[:, 0]
         for j in range(20):  # warm-up
             w.step(kt[j % pool], vt[j % pool], qt[j % pool])
-        tn = np.empty(naive_tokens, np.int64)
+        nw = np.empty(naive_tokens, np.int64)
+        nc = np.empty(naive_tokens, np.int64)
         for j in range(naive_tokens):
+            c0 = time.process_time_ns()  # NumPy may use BLAS threads
             t0 = clock()
             w.step(kt[j % pool], vt[j % pool], qt[j % pool])
-            tn[j] = clock() - t0
-        naive[name] = (float(tn.mean() / 1e3), float(np.median(tn) / 1e3))
+            t1 = clock()
+            nc[j] = time.process_time_ns() - c0
+            nw[j] = t1 - t0
+        naive[name] = (_med(nw / 1e3), _med(nc / 1e3))
 
-    if tokens <= filled + tenth:  # a stream too short to fill the window: no steady state
+    tenth = max(1, tokens // 10)
+    filled = sink + window + 1  # from here on every step attends to S + R + 1 keys
+    if tokens < filled + tenth:  # too short a stream to fill the window: no steady state
         filled = 0
-    paged_steady_mean, paged_steady_med = _summary(us, filled, tokens)
-    # "first 10% after the fill": the first tenth of the stream once the window is full
-    sf = filled
-    steady_first_mean, steady_first_med = _summary(us, sf, sf + tenth)
-    steady = held[filled:]
+    first, after, last = slice(0, tenth), slice(filled, filled + tenth), slice(tokens - tenth, tokens)
+    steady = slice(filled, tokens)
     res = {
         "tokens": tokens, "sink": sink, "window": window, "block_size": bs,
         "kv_heads": hkv, "q_heads": hq, "head_dim": d, "dtype": "float32",
         "threads": pagedkv.get_num_threads(), "simd": pagedkv.simd_backend(),
-        "wall_s": wall,
-        "paged_us_mean": float(us.mean()),
-        "paged_us_steady_mean": paged_steady_mean,
-        "paged_us_steady_median": paged_steady_med,
-        "first10_us_mean": first_mean, "first10_us_median": first_med,
-        "steady_first10_us_mean": steady_first_mean,
-        "steady_first10_us_median": steady_first_med,
-        "last10_us_mean": last_mean, "last10_us_median": last_med,
-        "time_ratio_last_first_mean": last_mean / first_mean,
-        "time_ratio_last_first_median": last_med / first_med,
-        "time_ratio_last_steady_first_mean": last_mean / steady_first_mean,
-        "time_ratio_last_steady_first_median": last_med / steady_first_med,
-        "held_blocks_first10_mean": float(held[:tenth].mean()),
-        "held_blocks_steady_first10_mean": float(held[sf:sf + tenth].mean()),
-        "held_blocks_last10_mean": float(held[-tenth:].mean()),
-        "held_blocks_ratio_last_first": float(held[-tenth:].mean() / held[:tenth].mean()),
-        "held_blocks_ratio_last_steady_first": float(
-            held[-tenth:].mean() / held[sf:sf + tenth].mean()),
+        "load_avg_before": load_before, "load_avg_after": _load(), "cpus": os.cpu_count(),
+        "wall_s": wall_s,
+        "window_filled_at": filled,
+    }
+    for tag, arr in [("wall", wall), ("cpu", cput)]:
+        res[f"{tag}_us_first10"] = _med(arr[first])
+        res[f"{tag}_us_first10_after_fill"] = _med(arr[after])
+        res[f"{tag}_us_last10"] = _med(arr[last])
+        res[f"{tag}_us_steady"] = _med(arr[steady])
+        res[f"{tag}_ratio_last_first"] = res[f"{tag}_us_last10"] / res[f"{tag}_us_first10"]
+        res[f"{tag}_ratio_last_first_after_fill"] = (
+            res[f"{tag}_us_last10"] / res[f"{tag}_us_first10_after_fill"])
+    res.update({
+        "wall_us_mean": float(wall.mean()),
+        "wall_us_p99": float(np.percentile(wall, 99)),
+        "held_blocks_first10": float(held[first].mean()),
+        "held_blocks_first10_after_fill": float(held[after].mean()),
+        "held_blocks_last10": float(held[last].mean()),
+        "held_blocks_ratio_last_first": float(held[last].mean() / held[first].mean()),
+        "held_blocks_ratio_last_first_after_fill": float(held[last].mean() / held[after].mean()),
         "held_blocks_max": int(held.max()),
-        "held_blocks_steady_min": int(steady.min()),
-        "held_blocks_steady_max": int(steady.max()),
+        "held_blocks_steady_min": int(held[steady].min()),
+        "held_blocks_steady_max": int(held[steady].max()),
         "held_blocks_bound": bound,
         "held_bytes_max": int(held.max()) * cache.bytes_per_block,
         "held_tokens_final": cache.seq_len(sid),
         "evicted_tokens": cache.stats().evicted_tokens,
         "naive_tokens": naive_tokens,
-        "naive_rerotate_us_mean": naive["rerotate"][0],
-        "naive_rerotate_us_median": naive["rerotate"][1],
-        "numpy_plain_us_mean": naive["plain"][0],
-        "numpy_plain_us_median": naive["plain"][1],
-        "speedup_vs_naive_rerotate": naive["rerotate"][1] / paged_steady_med,
-        "speedup_vs_numpy_plain": naive["plain"][1] / paged_steady_med,
-        "rerotate_cost_over_plain": naive["rerotate"][1] / naive["plain"][1],
-        "max_err_vs_naive_rel_to_max_v": err,
-    }
+        "naive_rerotate_wall_us": naive["rerotate"][0],
+        "naive_rerotate_cpu_us": naive["rerotate"][1],
+        "numpy_plain_wall_us": naive["plain"][0],
+        "numpy_plain_cpu_us": naive["plain"][1],
+    })
+    for tag in ("wall", "cpu"):
+        res[f"speedup_vs_naive_rerotate_{tag}"] = res[f"naive_rerotate_{tag}_us"] / res[f"{tag}_us_steady"]
+        res[f"speedup_vs_numpy_plain_{tag}"] = res[f"numpy_plain_{tag}_us"] / res[f"{tag}_us_steady"]
+    res["rerotate_over_plain_wall"] = naive["rerotate"][0] / naive["plain"][0]
+    res["max_err_vs_naive_rel_to_max_v"] = err
     if verbose:
         print(report(res))
     return res
 
 
-def report(r: dict) -> str:
-    def row(name, mean, med, blocks):
-        return f"{name:36}{mean:>10.1f}{med:>11.1f}{blocks:>13}"
+def _load():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        return None
 
-    def ratio(name, mean, med, blocks):
-        return f"{name:36}{mean:>10.2f}{med:>11.2f}{blocks:>13.2f}"
+
+def report(r: dict) -> str:
+    """A short table of run()'s result."""
+    def row(name, a, b, c, fmt=".1f"):
+        cells = [format(x, fmt) if isinstance(x, (int, float)) else str(x) for x in (a, b, c)]
+        return f"{name:34}{cells[0]:>11}{cells[1]:>11}{cells[2]:>13}"
 
     lines = [
         f"StreamingLLM stream: {r['tokens']:,} tokens, S={r['sink']}, R={r['window']}, "
-        f"block {r['block_size']}, Hkv={r['kv_heads']} Hq={r['q_heads']} D={r['head_dim']} "
-        f"f32, RoPE in-kernel, {r['threads']} thread(s), {r['simd']}",
-        f"{'per token (append + attend)':36}{'mean us':>10}{'median us':>11}{'held blocks':>13}",
-        row("first 10% (incl. window fill)", r["first10_us_mean"], r["first10_us_median"],
-            f"{r['held_blocks_first10_mean']:.1f}"),
-        row("first 10% after the window filled", r["steady_first10_us_mean"],
-            r["steady_first10_us_median"], f"{r['held_blocks_steady_first10_mean']:.1f}"),
-        row("last 10%", r["last10_us_mean"], r["last10_us_median"],
-            f"{r['held_blocks_last10_mean']:.1f}"),
-        ratio("  ratio last / first", r["time_ratio_last_first_mean"],
-              r["time_ratio_last_first_median"], r["held_blocks_ratio_last_first"]),
-        ratio("  ratio last / first after fill", r["time_ratio_last_steady_first_mean"],
-              r["time_ratio_last_steady_first_median"],
-              r["held_blocks_ratio_last_steady_first"]),
-        row("pagedkv, full window", r["paged_us_steady_mean"], r["paged_us_steady_median"],
+        f"block {r['block_size']}, Hkv={r['kv_heads']} Hq={r['q_heads']} D={r['head_dim']} f32, "
+        f"RoPE in-kernel, {r['threads']} thread(s), {r['simd']}",
+        f"{'per token, append + attend':34}{'wall us':>11}{'cpu us':>11}{'held blocks':>13}",
+        f"{'(medians)':34}",
+        row("first 10% (incl. window fill)", r["wall_us_first10"], r["cpu_us_first10"],
+            r["held_blocks_first10"]),
+        row(f"first 10% after fill (t>={r['window_filled_at']})",
+            r["wall_us_first10_after_fill"], r["cpu_us_first10_after_fill"],
+            r["held_blocks_first10_after_fill"]),
+        row("last 10%", r["wall_us_last10"], r["cpu_us_last10"], r["held_blocks_last10"]),
+        row("  ratio last / first", r["wall_ratio_last_first"], r["cpu_ratio_last_first"],
+            r["held_blocks_ratio_last_first"], ".2f"),
+        row("  ratio last / first after fill", r["wall_ratio_last_first_after_fill"],
+            r["cpu_ratio_last_first_after_fill"], r["held_blocks_ratio_last_first_after_fill"],
+            ".2f"),
+        row("pagedkv, full window", r["wall_us_steady"], r["cpu_us_steady"],
             f"{r['held_blocks_steady_min']}..{r['held_blocks_steady_max']}"),
-        row("naive NumPy, re-rotate window", r["naive_rerotate_us_mean"],
-            r["naive_rerotate_us_median"], ""),
-        row("NumPy attention, no re-rotation", r["numpy_plain_us_mean"],
-            r["numpy_plain_us_median"], ""),
-        f"pagedkv per token: {r['speedup_vs_naive_rerotate']:.1f}x faster than the naive "
-        f"re-rotating window, {r['speedup_vs_numpy_plain']:.1f}x vs NumPy attention alone "
-        f"(medians; re-rotation makes NumPy {r['rerotate_cost_over_plain']:.2f}x slower).",
+        row("naive NumPy, re-rotate window", r["naive_rerotate_wall_us"],
+            r["naive_rerotate_cpu_us"], ""),
+        row("NumPy attention, no re-rotation", r["numpy_plain_wall_us"],
+            r["numpy_plain_cpu_us"], ""),
+        f"pagedkv per token vs naive re-rotating NumPy: {r['speedup_vs_naive_rerotate_wall']:.1f}x "
+        f"(wall), {r['speedup_vs_naive_rerotate_cpu']:.1f}x (cpu); vs NumPy attention alone: "
+        f"{r['speedup_vs_numpy_plain_wall']:.1f}x / {r['speedup_vs_numpy_plain_cpu']:.1f}x; "
+        f"re-rotation makes NumPy {r['rerotate_over_plain_wall']:.2f}x slower.",
         f"held blocks max {r['held_blocks_max']} (bound {r['held_blocks_bound']}, "
         f"{r['held_bytes_max'] / 2**20:.1f} MiB); held tokens {r['held_tokens_final']}; "
-        f"evicted tokens {r['evicted_tokens']:,}; last-token error vs NumPy "
-        f"{r['max_err_vs_naive_rel_to_max_v']:.1e} (of max|v|); wall {r['wall_s']:.1f} s",
+        f"evicted {r['evicted_tokens']:,} tokens; last token vs NumPy: "
+        f"{r['max_err_vs_naive_rel_to_max_v']:.1e} of max|v|; {r['wall_s']:.1f} s",
     ]
+    la, cpus = r.get("load_avg_before"), r.get("cpus")
+    if la is not None and cpus and max(la, r.get("load_avg_after") or 0) > 0.5 * cpus:
+        lines.append(f"note: load average {la} -> {r['load_avg_after']} on {cpus} CPUs: other "
+                     "processes shared the cores; wall times are inflated, cpu times less so.")
     return "\n".join(lines)
 
 
