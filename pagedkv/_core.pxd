@@ -48,6 +48,7 @@ cdef extern from "pagedkv/attention.h" nogil:
         void *partial
         int64_t partial_slots
         int nthreads
+        int64_t *plan_out
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
     void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,

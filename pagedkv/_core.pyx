@@ -265,6 +265,7 @@ cdef class CacheCore:
         readonly int64_t peak_used
         void *_r[19]              # raw pointers of the metadata arrays, for free()
         bint busy                 # a kernel runs without the GIL on this cache
+        int64_t plan[3]           # the last attention call's threads, heads/item, key chunks
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
                  dtype="float32", max_seqs=256, max_blocks_per_seq=None,
@@ -953,6 +954,7 @@ cdef class CacheCore:
         a.rope = &self.rope if self.has_rope else NULL
         a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
         a.scratch_stride = self.scratch_stride
+        a.plan_out = self.plan
 
     cdef double _scale(self, object scale) except? -1:
         if scale is None:
@@ -1155,6 +1157,12 @@ cdef class CacheCore:
         self.off1[slot] = p.off1
         self.evicted_tokens += p.evicted_tokens
         return p.evicted_tokens, self.n_free - before
+
+    @property
+    def last_attention_plan(self):
+        """How the last attend call ran: (threads used, KV heads per work item,
+        key chunks per sequence; > 1 means split-K with a log-sum-exp merge)."""
+        return (self.plan[0], self.plan[1], self.plan[2])
 
     def _debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""

@@ -81,20 +81,34 @@ def test_one_cache_shared_by_threads_never_races():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_set_num_threads_gives_the_same_result(threads):
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_set_num_threads_gives_the_same_result(threads, dtype):
     rng = np.random.default_rng(9)
-    cache, sid, k, v = _filled_cache(rng, length=1200, hkv=1)
-    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    cache = pagedkv.PagedKVCache(num_blocks=300, block_size=16, num_kv_heads=1, head_dim=128,
+                                 dtype=dtype)
+    sid = cache.add_sequence()
+    k = rng.standard_normal((4000, 1, 128)).astype(dtype)
+    v = rng.standard_normal((4000, 1, 128)).astype(dtype)
+    cache.append(sid, k, v)
+    q = rng.standard_normal((1, 4, 128)).astype(dtype)
     before = pagedkv.get_num_threads()
     try:
         pagedkv.set_num_threads(threads)
         assert pagedkv.get_num_threads() == threads
-        out = cache.attend(sid, q)          # B=1, Hkv=1: split-K when threads > 1
+        out = cache.attend(sid, q)
+        plan = cache.last_attention_plan
         outb = cache.attend_batch([sid], q)
     finally:
         pagedkv.set_num_threads(0)
     assert pagedkv.get_num_threads() == before
-    exp = ref_attention(q, k, v, 1 / np.sqrt(32), k.shape[0] - 1)
+    if pagedkv.has_openmp():
+        # one sequence, one KV head: the only parallelism is split-K over the keys
+        assert plan == (threads, 1, threads)
+    exp = ref_attention(q, k, v, 1 / np.sqrt(128), k.shape[0] - 1)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(out, exp, rtol=tol, atol=tol * np.abs(v).max())
+    np.testing.assert_allclose(outb, exp, rtol=tol, atol=tol * np.abs(v).max())
+    return
     np.testing.assert_allclose(out, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
     np.testing.assert_allclose(outb, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
 

@@ -38,12 +38,18 @@ typedef struct {
     size_t scratch_stride;
     void *partial;                /* split-K partial states: partial_slots slots */
     int64_t partial_slots;
-    int nthreads;
+    int nthreads;                 /* threads allowed */
+    int64_t *plan_out;            /* NULL or 3 slots: threads used, heads per item, key chunks */
 } pkv_attn_args;
 
 /* A sequence is split over several threads only if each key chunk gets at
  * least this many tokens. */
 #define PKV_SPLIT_MIN 256
+
+/* Calls with fewer multiply-adds than this run on one thread: below it the
+ * fork/join of a parallel region costs more than it saves (~10-20 us of
+ * work), and on a busy machine a descheduled worker would stall the call. */
+#define PKV_PARALLEL_MIN (1 << 21)
 
 /* Bytes of one split-K partial state (m, l, acc of PKV_MAX_ROWS rows). */
 static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {

@@ -485,29 +485,39 @@ static inline FN(scratch_t) FN(scratch)(const pkv_attn_args *a, int tid) {
  * partial softmax states (m, l, acc) are merged by log-sum-exp afterwards. */
 static void FN(decode)(const pkv_attn_args *a) {
     const int gsz = a->hq / a->hkv, d = a->d;
+    double work = 0.0; /* multiply-adds */
+    for (int64_t b = 0; b < a->nseq; b++)
+        work += (double)((a->segs[b].a1 - a->segs[b].a0) + (a->segs[b].b1 - a->segs[b].b0));
+    work *= 2.0 * a->hq * d;
+    const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
     const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
     const int ngc = (gsz + ng_max - 1) / ng_max;
     int hpg = PKV_MAX_ROWS / ng_max;
     if (hpg > a->hkv) hpg = a->hkv;
-    while (hpg > 1 && a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < a->nthreads) hpg = (hpg + 1) / 2;
+    while (hpg > 1 && a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < nthreads) hpg = (hpg + 1) / 2;
     const int ngroups = (a->hkv + hpg - 1) / hpg;
     const int64_t base = a->nseq * ngroups * ngc;
     int64_t nchunk = 1;
-    if (base < a->nthreads && a->partial_slots > 0) {
+    if (base < nthreads && a->partial_slots > 0) {
         int64_t held_min = INT64_MAX;
         for (int64_t b = 0; b < a->nseq; b++) {
             const int64_t h = (a->segs[b].a1 - a->segs[b].a0) + (a->segs[b].b1 - a->segs[b].b0);
             if (h < held_min) held_min = h;
         }
-        nchunk = (a->nthreads + base - 1) / base;
+        nchunk = (nthreads + base - 1) / base;
         if (nchunk * base > a->partial_slots) nchunk = a->partial_slots / base;
         if (nchunk > held_min / PKV_SPLIT_MIN) nchunk = held_min / PKV_SPLIT_MIN;
         if (nchunk < 1) nchunk = 1;
     }
     const int64_t items = base * nchunk;
     const size_t slot_bytes = pkv_partial_slot_bytes(d, sizeof(T));
+    if (a->plan_out) {
+        a->plan_out[0] = nthreads;
+        a->plan_out[1] = hpg;
+        a->plan_out[2] = nchunk;
+    }
     int64_t it;
-#pragma omp parallel for num_threads(a->nthreads) schedule(dynamic, 1) if (a->nthreads > 1)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
     for (it = 0; it < items; it++) {
         FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
         const int64_t c = it % nchunk, rest = it / nchunk;
@@ -534,7 +544,7 @@ static void FN(decode)(const pkv_attn_args *a) {
     }
     if (nchunk == 1) return;
     /* merge the key chunks of each (sequence, head group, member chunk) */
-#pragma omp parallel for num_threads(a->nthreads) schedule(static) if (a->nthreads > 1)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (it = 0; it < base; it++) {
         FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
         const int gc = (int)(it % ngc);
@@ -581,8 +591,16 @@ static void FN(prefill)(const pkv_attn_args *a) {
     const pkv_segs sg = a->segs[0];
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
     const int64_t rank0 = held - a->nq;
+    /* causal multiply-adds: query i sees rank0 + i + 1 keys */
+    const double work = 2.0 * a->hq * a->d * (double)a->nq * ((double)rank0 + 0.5 * (a->nq + 1));
+    const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
+    if (a->plan_out) {
+        a->plan_out[0] = nthreads;
+        a->plan_out[1] = 1;
+        a->plan_out[2] = 1;
+    }
     int64_t it;
-#pragma omp parallel for num_threads(a->nthreads) schedule(dynamic, 1) if (a->nthreads > 1)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
     for (it = 0; it < items; it++) {
         FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
         /* latest tiles (most keys) first, for balance */
