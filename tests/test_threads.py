@@ -108,9 +108,6 @@ def test_set_num_threads_gives_the_same_result(threads, dtype):
     tol = 1e-5 if dtype == "float32" else 1e-12
     np.testing.assert_allclose(out, exp, rtol=tol, atol=tol * np.abs(v).max())
     np.testing.assert_allclose(outb, exp, rtol=tol, atol=tol * np.abs(v).max())
-    return
-    np.testing.assert_allclose(out, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
-    np.testing.assert_allclose(outb, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
 
 
 def test_set_num_threads_rejects_negative():
