@@ -302,7 +302,12 @@ static inline void FN(rope_one)(T *restrict dst, const T *restrict src, const pk
 static inline void FN(fold_run)(const T *restrict q, int nq, const int64_t *lim, int64_t r,
                                 const T *restrict k, const T *restrict v, int n, int d,
                                 T *restrict acc, double *m, double *l, T *restrict sbuf,
-                                T *restrict alpha) {
+                                T *restrict alpha, const T *kn, const T *vn, int bs) {
+    /* kn, vn: the next block's K and V of this head (NULL: none); its bs keys
+     * are prefetched spread over the score loop below, a few lines per key */
+    const size_t pf_bytes = sizeof(T) * (size_t)bs * d;
+    const size_t pf_step = (pf_bytes / (size_t)(n > 0 ? n : 1) + 63) & ~(size_t)63;
+    size_t pf = kn ? 0 : pf_bytes;
     int rows[PKV_MAX_ROWS];
     int na = 0;
     for (int i = 0; i < nq; i++)
@@ -316,6 +321,10 @@ static inline void FN(fold_run)(const T *restrict q, int nq, const int64_t *lim,
         int j = 0;
         for (; j + 2 <= n; j += 2) {
             T t[8];
+            for (size_t e = pf + 2 * pf_step; pf < e && pf < pf_bytes; pf += 64) {
+                __builtin_prefetch((const char *)kn + pf, 0, 3);
+                __builtin_prefetch((const char *)vn + pf, 0, 3);
+            }
             FN(dot4x2)(q0, q1, q2, q3, k + (size_t)j * d, k + (size_t)(j + 1) * d, d, t);
             for (int rr = 0; rr < 4; rr++) {
                 sbuf[(size_t)(a + rr) * n + j] = t[2 * rr];
@@ -331,7 +340,13 @@ static inline void FN(fold_run)(const T *restrict q, int nq, const int64_t *lim,
     }
     for (; a < na; a++) {
         const T *qi = q + (size_t)rows[a] * d;
-        for (int j = 0; j < n; j++) sbuf[(size_t)a * n + j] = FN(dot)(qi, k + (size_t)j * d, d);
+        for (int j = 0; j < n; j++) {
+            for (size_t e = pf + pf_step; pf < e && pf < pf_bytes; pf += 64) {
+                __builtin_prefetch((const char *)kn + pf, 0, 3);
+                __builtin_prefetch((const char *)vn + pf, 0, 3);
+            }
+            sbuf[(size_t)a * n + j] = FN(dot)(qi, k + (size_t)j * d, d);
+        }
     }
 
     for (a = 0; a < na; a++) {
@@ -380,6 +395,7 @@ static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
     const int nq = nh * nqh;
+    const int64_t nblk = (sg.b1 + bs - 1) / bs;
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0;
@@ -401,8 +417,13 @@ static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             int n = bs - off;
             if (n > rlast - rr) n = (int)(rlast - rr);
             const size_t base = (size_t)table[bi] * bstride + (size_t)off * d;
+            /* the next block may be anywhere in the pool: fold_run asks for it
+             * key by key while it computes on this one */
+            const size_t nbase = bi + 1 < nblk ? (size_t)table[bi + 1] * bstride : 0;
             for (int hh = 0; hh < nh; hh++) {
                 const T *kp = kb + base + hh * hstride, *vp = vb + base + hh * hstride;
+                const T *kn = bi + 1 < nblk ? kb + nbase + hh * hstride : NULL;
+                const T *vn = bi + 1 < nblk ? vb + nbase + hh * hstride : NULL;
                 if (a->rope) {
                     for (int j = 0; j < n; j++)
                         FN(rope_one)(kbuf + (size_t)j * d, kp + (size_t)j * d, a->rope, rr + j, d);
@@ -410,7 +431,7 @@ static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                 }
                 const size_t r0 = (size_t)hh * nqh;
                 FN(fold_run)(q + r0 * d, nqh, lim, rr, kp, vp, n, d, acc + r0 * d, m + r0, l + r0,
-                             sbuf, alpha);
+                             sbuf, alpha, kn, vn, bs);
             }
             rr += n;
             slot += n;
