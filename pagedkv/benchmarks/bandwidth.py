@@ -12,7 +12,7 @@ def buffer_bytes(settings: Settings) -> int:
     """Far above any L3 (except --tiny, where it only has to run)."""
     if settings.tiny:
         return 8 << 20
-    return (128 << 20) if settings.quick else (512 << 20)
+    return (256 << 20) if settings.quick else (512 << 20)
 
 
 def run(settings: Settings) -> Dict[int, float]:

@@ -241,10 +241,14 @@ def _run_streaming(settings: Settings):
     res = mod.run(**kwargs)
     lines = ["StreamingLLM (" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"]
     if isinstance(res, dict):
-        width = max((len(str(k)) for k in res), default=0)
-        for k, v in res.items():
-            lines.append(f"  {str(k).ljust(width)}  {v:.4g}" if isinstance(v, float)
-                         else f"  {str(k).ljust(width)}  {v}")
+        cells = [(str(k), f"{v:.4g}" if isinstance(v, float) else str(v))
+                 for k, v in res.items()]
+        kw = max((len(k) for k, _ in cells), default=0)
+        vw = max((len(v) for _, v in cells), default=0)
+        per_line = 2 if kw + vw <= 50 else 1
+        for i in range(0, len(cells), per_line):
+            lines.append("  " + "    ".join(f"{k.ljust(kw)}  {v.rjust(vw)}"
+                                            for k, v in cells[i:i + per_line]).rstrip())
     else:
         lines.append(f"  {res}")
     return {"suite": "streaming", "available": True, "result": res}, "\n".join(lines)
