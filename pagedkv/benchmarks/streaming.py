@@ -142,6 +142,8 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     wall_s = time.perf_counter() - t_start
     wall, cput = wall_ns / 1e3, cpu_ns / 1e3
 
+    held_tokens, evicted_tokens = cache.seq_len(sid), cache.stats().evicted_tokens
+
     # the cache's own answer for the last token vs the re-rotating NumPy computation
     k_held, v_held = cache.gather(sid)
     check = NaiveWindow(sink, window, hkv, d, hq, rotate=True)
@@ -151,6 +153,27 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     check.m = m - 1
     expected = check.step(k_held[-1], v_held[-1], qs[(tokens - 1) % pool][0])
     err = float(np.max(np.abs(expected - out[0])) / max(1e-30, np.max(np.abs(v_held))))
+
+    # Late vs early under the same conditions: a fresh cache just past its window fill and
+    # the long stream step in alternation, so a load that changes over the run (other
+    # processes) weighs on both alike.
+    fresh = pagedkv.PagedKVCache(num_blocks=bound, block_size=bs, num_kv_heads=hkv,
+                                 head_dim=d, dtype="float32", max_seqs=1,
+                                 max_blocks_per_seq=bound, eviction=policy,
+                                 rope=pagedkv.RoPE(theta=THETA))
+    fsid = fresh.add_sequence()
+    for t in range(sink + window + 1):
+        fresh.append(fsid, ks[t % pool], vs[t % pool])
+    pairs = min(naive_tokens, 2000)
+    late = np.empty(pairs, np.int64)
+    early = np.empty(pairs, np.int64)
+    for j in range(pairs):
+        i = j % pool
+        for c, seq, dst in ((cache, sid, late), (fresh, fsid, early)):
+            c0 = cpu()
+            c.append(seq, ks[i], vs[i])
+            c.attend(seq, qs[i], out=out)
+            dst[j] = cpu() - c0
 
     naive = {}
     kt, vt, qt = ks[:, 0], vs[:, 0], qs[:, 0]
@@ -195,6 +218,10 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
         res[f"{tag}_ratio_last_first_after_fill"] = (
             res[f"{tag}_us_last10"] / res[f"{tag}_us_first10_after_fill"])
     res.update({
+        "paired_steps": pairs,
+        "paired_late_cpu_us": _med(late / 1e3),
+        "paired_early_cpu_us": _med(early / 1e3),
+        "paired_ratio_late_early": _med(late) / _med(early),
         "wall_us_mean": float(wall.mean()),
         "wall_us_p99": float(np.percentile(wall, 99)),
         "held_blocks_first10": float(held[first].mean()),
@@ -207,8 +234,8 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
         "held_blocks_steady_max": int(held[steady].max()),
         "held_blocks_bound": bound,
         "held_bytes_max": int(held.max()) * cache.bytes_per_block,
-        "held_tokens_final": cache.seq_len(sid),
-        "evicted_tokens": cache.stats().evicted_tokens,
+        "held_tokens_final": held_tokens,
+        "evicted_tokens": evicted_tokens,
         "naive_tokens": naive_tokens,
         "naive_rerotate_wall_us": naive["rerotate"][0],
         "naive_rerotate_cpu_us": naive["rerotate"][1],
@@ -255,6 +282,9 @@ def report(r: dict) -> str:
         row("  ratio last / first after fill", r["wall_ratio_last_first_after_fill"],
             r["cpu_ratio_last_first_after_fill"], r["held_blocks_ratio_last_first_after_fill"],
             ".2f"),
+        f"interleaved, {r['paired_steps']} steps each: token {r['tokens']:,}+ of this stream "
+        f"{r['paired_late_cpu_us']:.1f} us cpu vs a fresh stream just past its fill "
+        f"{r['paired_early_cpu_us']:.1f} us: ratio {r['paired_ratio_late_early']:.3f}",
         row("pagedkv, full window", r["wall_us_steady"], r["cpu_us_steady"],
             f"{r['held_blocks_steady_min']}..{r['held_blocks_steady_max']}"),
         row("naive NumPy, re-rotate window", r["naive_rerotate_wall_us"],
