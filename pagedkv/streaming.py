@@ -17,8 +17,16 @@ class StreamingLLM:
     are added.  A decoded token therefore attends to ``S + R + 1`` keys.
 
     Eviction copies no data: evicted slots are skipped, fully evicted blocks
-    return to the pool at once.  Positions are ranks in the cache (use
+    return to the pool at once, a partly evicted block stays until its last
+    held token goes.  Positions are ranks in the cache (use
     ``PagedKVCache(rope=RoPE(...))`` so keys are rotated by those ranks).
+
+    The policy applies to every sequence of the cache, once per step (at the
+    layer-0 append); all layers hold the same tokens.  For a one-shot trim use
+    ``PagedKVCache.apply_streaming_llm(sid, S, R)``.  A sequence holds its
+    tokens in at most two runs (sinks, then window), so trimming one sequence
+    with different sizes at different times can be refused with ValueError
+    when the kept tokens would form a third run.
     """
 
     sink_tokens: int = 4
@@ -33,5 +41,7 @@ class StreamingLLM:
             raise ValueError("sink_tokens + window_tokens must be at least 1")
 
     def max_blocks(self, block_size: int, n: int = 1) -> int:
-        """Blocks a sequence can hold under this policy when appending n tokens at a time."""
+        """Blocks a sequence can hold under this policy when appending n tokens at a
+        time: ``ceil(S / bs) + ceil((R + n) / bs) + 1`` (a pool or ``max_blocks_per_seq``
+        this large lets one sequence stream forever)."""
         return (-(-self.sink_tokens // block_size) + -(-(self.window_tokens + n) // block_size) + 1)
