@@ -106,7 +106,7 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     if quick:
         tokens = min(tokens, 10_000)
     if naive_tokens is None:
-        naive_tokens = 300 if quick else 2000
+        naive_tokens = 200 if quick else 2000
     hkv, hq, d, bs = KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK_SIZE
     policy = pagedkv.StreamingLLM(sink_tokens=sink, window_tokens=window)
     bound = policy.max_blocks(bs, 1)
