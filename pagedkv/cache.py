@@ -152,8 +152,8 @@ class PagedKVCache(CacheCore):
         self.rope = rope
         if eviction is not None:
             self._set_streaming(eviction.sink_tokens, eviction.window_tokens)
-        self.eviction_strategy = strategy
-        self.eviction_threshold = threshold
+        self._strategy = strategy
+        self._threshold = threshold
         self.on_evict = on_evict
         #: the latest whole-sequence evictions, oldest first (at most 1024 kept)
         self.eviction_log = collections.deque(maxlen=1024)
@@ -167,6 +167,24 @@ class PagedKVCache(CacheCore):
         self._seq_meta = {}
         self._created = 0
         self.auto_evict = auto_evict
+
+    @property
+    def eviction_strategy(self) -> EvictionStrategy:
+        """The whole-sequence eviction strategy (settable; names are accepted)."""
+        return self._strategy
+
+    @eviction_strategy.setter
+    def eviction_strategy(self, value: Union[str, EvictionStrategy]) -> None:
+        self._strategy = EvictionStrategy.parse(value)
+
+    @property
+    def eviction_threshold(self) -> float:
+        """Default target utilization of evict_to_threshold() (settable, in [0, 1])."""
+        return self._threshold
+
+    @eviction_threshold.setter
+    def eviction_threshold(self, value: float) -> None:
+        self._threshold = _utilization("eviction_threshold", value)
 
     # ------------------------------------------------------------------
     # sequences (bookkeeping for the eviction strategies)

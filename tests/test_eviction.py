@@ -168,7 +168,16 @@ def test_strategy_names_and_validation():
         make(eviction_threshold="high")
     with pytest.raises(TypeError):
         make(on_evict=42)
-    assert make().eviction_strategy is EvictionStrategy.LRU
+    cache = make()
+    assert cache.eviction_strategy is EvictionStrategy.LRU
+    cache.eviction_strategy = "Longest"
+    assert cache.eviction_strategy is EvictionStrategy.LONGEST
+    with pytest.raises(ValueError):
+        cache.eviction_strategy = "mru"
+    cache.eviction_threshold = 0.5
+    with pytest.raises(ValueError):
+        cache.eviction_threshold = 1.01
+    assert cache.eviction_threshold == 0.5
 
 
 # ----------------------------------------------------------------------------------------------
