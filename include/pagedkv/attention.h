@@ -15,7 +15,9 @@
 #endif
 
 /* Query rows handled together against one kv head (GQA group x query tile). */
+#ifndef PKV_MAX_ROWS
 #define PKV_MAX_ROWS 64
+#endif
 
 typedef struct {
     const void *cos, *sin; /* [max_pos][half], cache dtype */

@@ -284,12 +284,19 @@ static inline void FN(rope_one)(T *restrict dst, const T *restrict src, const pk
     const int half = rope->half;
     const T *c = (const T *)rope->cos + (size_t)pos * half;
     const T *s = (const T *)rope->sin + (size_t)pos * half;
-    for (int i = 0; i < half; i++) {
+    int i = 0;
+    for (; i + W <= half; i += W) {
+        const VEC x0 = VLOAD(src + i), x1 = VLOAD(src + i + half);
+        const VEC cv = VLOAD(c + i), sv = VLOAD(s + i);
+        VSTORE(dst + i, VSUB(VMUL(x0, cv), VMUL(x1, sv)));
+        VSTORE(dst + i + half, VFMA(x0, sv, VMUL(x1, cv)));
+    }
+    for (; i < half; i++) {
         const T x0 = src[i], x1 = src[i + half];
         dst[i] = x0 * c[i] - x1 * s[i];
         dst[i + half] = x1 * c[i] + x0 * s[i];
     }
-    for (int i = 2 * half; i < d; i++) dst[i] = src[i];
+    for (i = 2 * half; i < d; i++) dst[i] = src[i];
 }
 
 /* ---- online softmax over a run of held keys -------------------------------
