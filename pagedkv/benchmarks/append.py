@@ -29,6 +29,7 @@ from pagedkv.benchmarks.common import (
     ThreadScope,
     fmt_bytes,
     fmt_ratio,
+    fmt_spread,
     fmt_time,
     load_torch,
     measure,
@@ -222,14 +223,14 @@ def report(settings: Settings, recs: List[dict]) -> str:
             cfg = [short_dtype(r["dtype"]), call] if first else ["", ""]
             first = False
             if res is None:
-                rows.append(cfg + [name, "n/a", "", "", ""])
+                rows.append(cfg + [name, "n/a", "", "", "", ""])
                 continue
             a = res["tracemalloc"]
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            rows.append(cfg + [name, fmt_time(res["median_s"]),
+            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_spread(res),
                                fmt_time(res["median_s"] / r["B"]),
                                f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
-                               f" ({a['calls']} calls)", speed])
-    right = [False, False, False, True, True, True, True]
-    return head + "\n" + table(["dtype", "call", "impl", "per call", "per token",
+                               f" ({a['calls']:,} calls)", speed])
+    right = [False, False, False, True, True, True, True, True]
+    return head + "\n" + table(["dtype", "call", "impl", "per call", "spread", "per token",
                                 "alloc peak / net", "pagedkv speedup"], rows, right)

@@ -49,6 +49,7 @@ class Settings:
     target: float = 0.05         # seconds per timed sample
     gap: float = 0.01            # idle seconds before each sample (lets spinning thread pools sleep)
     budget: Optional[float] = None  # seconds per configuration after which rounds stop (>= 3)
+    blas_cooldown: float = 0.2   # idle seconds after a multi-threaded NumPy (BLAS) sample
     progress: Optional["Progress"] = None
     bandwidth: Dict[int, float] = field(default_factory=dict)  # threads -> bytes/s
     notes: List[str] = field(default_factory=list)
@@ -56,6 +57,17 @@ class Settings:
     def bw(self, threads: int) -> Optional[float]:
         """Measured read bandwidth (bytes/s) at this thread count, if measured."""
         return self.bandwidth.get(int(threads))
+
+    def cooldown_after_blas(self, threads: int) -> float:
+        """Idle time after a sample of a NumPy baseline measured for a row of
+        `threads` threads.  OpenBLAS workers spin for ~0.1 s after a call
+        (measured: the next 2-thread pagedkv call ran ~70% slower 0-50 ms
+        later, and a 1-thread one ~50% slower on a busy 2-CPU machine); that
+        time is taken from whichever implementation runs next.  Not needed
+        when threadpoolctl holds BLAS to one thread."""
+        if threads <= 1 and _blas_limited():
+            return 0.0
+        return self.blas_cooldown
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -163,6 +175,14 @@ class ThreadScope:
         return False
 
 
+def _blas_limited() -> bool:
+    try:
+        import threadpoolctl  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def numpy_threads_note() -> str:
     try:
         import threadpoolctl  # noqa: F401, PLC0415
@@ -205,11 +225,14 @@ class Impl:
     µs-scale call be timed without a Python closure call per iteration).
     ``setup()`` runs untimed before every sample (e.g. to rewind a cache).
     ``inner`` fixes the calls per sample instead of calibrating it.
+    ``cooldown``: idle seconds after each of its samples (see
+    ``Settings.cooldown_after_blas``).
     """
 
     run: Callable[[int], None]
     setup: Optional[Callable[[], None]] = None
     inner: Optional[int] = None
+    cooldown: float = 0.0
 
 
 def _timed(impl: Impl, n: int) -> float:
@@ -266,6 +289,8 @@ def measure(impls: Dict[str, Impl], settings: Settings, repeats: Optional[int] =
             if settings.gap:
                 time.sleep(settings.gap)
             samples[name].append(_timed(impls[name], inner[name]) / inner[name])
+            if impls[name].cooldown:
+                time.sleep(impls[name].cooldown)
         if (settings.budget is not None and r + 1 >= min(3, repeats) and r + 1 < repeats
                 and time.perf_counter() - t0 > settings.budget):
             settings.note(f"a time budget ({settings.budget:.0f} s per configuration) cut some "
@@ -391,6 +416,15 @@ def fmt_ratio(x: Optional[float]) -> str:
     if x is None or not math.isfinite(x):
         return "n/a"
     return f"{x:.2f}x"
+
+
+def fmt_spread(res: dict) -> str:
+    """(max - min) / median of a result's rounds, as a percentage: how much to
+    trust its median."""
+    med = res.get("median_s")
+    if not med or len(res.get("samples_s", ())) < 2:
+        return ""
+    return f"{100.0 * (res['max_s'] - res['min_s']) / med:.0f}%"
 
 
 def fmt_bytes(n: Optional[float]) -> str:

@@ -37,6 +37,7 @@ from pagedkv.benchmarks.common import (
     check_close,
     fmt_num,
     fmt_pct,
+    fmt_spread,
     fmt_ratio,
     fmt_time,
     load_torch,
@@ -198,19 +199,20 @@ def run(settings: Settings) -> List[dict]:
         for ci, (B, L) in enumerate(configs(settings)):
             case = _Case(dtype, B, L, sh, torch, seed=1000 * di + ci)
             try:
-                impls: Dict[str, Impl] = {PAGEDKV: Impl(case.run_pagedkv),
-                                          NUMPY: Impl(case.run_numpy)}
                 skip_gather = (not settings.tiny and not settings.quick
                                and case.kv_bytes > GATHER_LIMIT_BYTES)
                 if skip_gather:
                     settings.note(f"numpy-gather skipped where K+V > {GATHER_LIMIT_BYTES >> 20} "
                                   "MiB per step (it copies every byte before reading it; "
                                   "it would dominate the run time)")
-                else:
-                    impls[GATHER] = Impl(case.run_gather)
-                if torch is not None:
-                    impls[TORCH] = Impl(case.run_torch)
                 for t in settings.threads:
+                    cool = settings.cooldown_after_blas(t)
+                    impls: Dict[str, Impl] = {PAGEDKV: Impl(case.run_pagedkv),
+                                              NUMPY: Impl(case.run_numpy, cooldown=cool)}
+                    if not skip_gather:
+                        impls[GATHER] = Impl(case.run_gather, cooldown=cool)
+                    if torch is not None:
+                        impls[TORCH] = Impl(case.run_torch)
                     label = f"decode {short_dtype(dtype)} t={t} B={B} L={L}"
                     if settings.progress is not None:
                         settings.progress.start(label)
@@ -263,7 +265,7 @@ def report(settings: Settings, recs: List[dict]) -> str:
             f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
             "%BW is against the\nmeasured read bandwidth at the same thread count; "
             "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
-            "faster).")
+            "faster);\nspread = (max - min) / median of the rounds.")
     rows = []
     for r in recs:
         first = True
@@ -276,11 +278,12 @@ def report(settings: Settings, recs: List[dict]) -> str:
             first = False
             if res is None:
                 why = "skipped" if name in r["skipped"] else "n/a"
-                rows.append(cfg + [name, why, "", "", "", ""])
+                rows.append(cfg + [name, why, "", "", "", "", ""])
                 continue
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_num(res["gbps"]),
-                               fmt_pct(res["pct_bw"]), fmt_num(res["gflops"]), speed])
-    right = [False, True, True, True, False, True, True, True, True, True]
-    return head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "GB/s", "%BW",
-                                "GFLOP/s", "pagedkv speedup"], rows, right)
+            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_spread(res),
+                               fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]),
+                               fmt_num(res["gflops"]), speed])
+    right = [False, True, True, True, False, True, True, True, True, True, True]
+    return head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
+                                "%BW", "GFLOP/s", "pagedkv speedup"], rows, right)

@@ -32,6 +32,7 @@ from pagedkv.benchmarks.common import (
     check_close,
     fmt_num,
     fmt_ratio,
+    fmt_spread,
     fmt_time,
     load_torch,
     measure,
@@ -181,7 +182,7 @@ def run(settings: Settings) -> List[dict]:
             settings.note("--quick: the NumPy prefill baseline is skipped (not a target; "
                           "the full run has it)")
         else:
-            impls[NUMPY] = Impl(case.run_numpy)
+            impls[NUMPY] = Impl(case.run_numpy, cooldown=settings.cooldown_after_blas(t))
         if torch is not None:
             if gqa:
                 impls[TORCH_GQA] = Impl(case.run_torch_gqa)
@@ -247,13 +248,14 @@ def report(settings: Settings, recs: List[dict]) -> str:
             first = False
             if res is None:
                 rows.append(cfg + [name, "skipped" if name in r.get("skipped", ()) else "n/a",
-                                   "", ""])
+                                   "", "", ""])
                 continue
             label = name
             if name == TORCH:
                 label = res["variant"].replace("torch-sdpa", "torch-sdpa ")
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            rows.append(cfg + [label, fmt_time(res["median_s"]), fmt_num(res["gflops"]), speed])
-    right = [False, True, True, False, True, True, True]
-    return head + "\n" + table(["dtype", "thr", "L", "impl", "time", "GFLOP/s",
+            rows.append(cfg + [label, fmt_time(res["median_s"]), fmt_spread(res),
+                               fmt_num(res["gflops"]), speed])
+    right = [False, True, True, False, True, True, True, True]
+    return head + "\n" + table(["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
                                 "pagedkv speedup"], rows, right)

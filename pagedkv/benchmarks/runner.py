@@ -104,7 +104,8 @@ def run_suites(args: argparse.Namespace, out=None):
                         use_torch=not args.no_torch,
                         target=0.01 if tiny else (0.02 if quick else 0.05),
                         gap=0.0 if tiny else 0.01,
-                        budget=None if tiny else (6.0 if quick else 20.0))
+                        budget=None if tiny else (6.0 if quick else 20.0),
+                        blas_cooldown=0.0 if tiny else 0.2)
     if "decode" in suites and "bandwidth" not in suites:
         suites.insert(0, "bandwidth")  # %BW needs it
         settings.note("bandwidth measured because decode reports % of it")
