@@ -18,6 +18,8 @@ cdef extern from "pagedkv/layout.h" nogil:
     int pkv_have_openmp()
     int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_segs *s, int bs,
                       int64_t num_blocks)
+    void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,
+                          int64_t slot0, int64_t n, const char *src)
     void pkv_read_tokens(const char *base, const int32_t *table, int bs, int hkv, size_t row,
                          int64_t slot0, int64_t slot1, char *dst)
     void pkv_copy_block(char *buf, int64_t num_blocks, int num_layers, size_t block_bytes,
@@ -51,8 +53,6 @@ cdef extern from "pagedkv/attention.h" nogil:
         int64_t *plan_out
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
-    void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,
-                          int64_t slot0, int64_t n, const char *src, int simd)
     void pkv_decode(const pkv_attn_args *a, int dtype, int simd)
     void pkv_prefill(const pkv_attn_args *a, int dtype, int simd)
     double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)

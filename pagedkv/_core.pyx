@@ -807,9 +807,9 @@ cdef class CacheCore:
         cdef int32_t *table = self.tables + slot * self.max_blocks_per_seq
         cdef size_t lo = <size_t>layer * self.layer_bytes
         pkv_write_tokens(self.k_data + lo, table, self.block_size, self.num_kv_heads,
-                         self.row_bytes, slot0, n, k, _simd)
+                         self.row_bytes, slot0, n, k)
         pkv_write_tokens(self.v_data + lo, table, self.block_size, self.num_kv_heads,
-                         self.row_bytes, slot0, n, v, _simd)
+                         self.row_bytes, slot0, n, v)
 
     cdef int _check_layer_append(self, int64_t slot, int layer, int64_t n) except -1:
         cdef int64_t total = self.segs[slot].b1 + self.off1[slot]

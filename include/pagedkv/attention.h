@@ -132,19 +132,6 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
     const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(ki, _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
 }
-/* Streaming copy of n bytes (dst 32-aligned, n a multiple of 128). */
-static void pkv_stream_copy_avx2(char *dst, const char *src, size_t n) {
-    for (size_t o = 0; o < n; o += 128) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(src + o));
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(src + o + 32));
-        const __m256i c = _mm256_loadu_si256((const __m256i *)(src + o + 64));
-        const __m256i d = _mm256_loadu_si256((const __m256i *)(src + o + 96));
-        _mm256_stream_si256((__m256i *)(dst + o), a);
-        _mm256_stream_si256((__m256i *)(dst + o + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + o + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + o + 96), d);
-    }
-}
 #define PKV_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC __m256
 #define W 8
@@ -190,15 +177,6 @@ PKV_TARGET_END
 
 /* ---- AVX-512 (F, DQ, BW, VL) ------------------------------------------- */
 PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
-/* Streaming copy of n bytes (dst 64-aligned, n a multiple of 128). */
-static void pkv_stream_copy_avx512(char *dst, const char *src, size_t n) {
-    for (size_t o = 0; o < n; o += 128) {
-        const __m512i a = _mm512_loadu_si512((const void *)(src + o));
-        const __m512i b = _mm512_loadu_si512((const void *)(src + o + 64));
-        _mm512_stream_si512((void *)(dst + o), a);
-        _mm512_stream_si512((void *)(dst + o + 64), b);
-    }
-}
 #define VEC __m512
 #define W 16
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -241,39 +219,6 @@ static void pkv_stream_copy_avx512(char *dst, const char *src, size_t n) {
 #include "attn_vocab_end.h"
 PKV_TARGET_END
 #endif /* PKV_X86 */
-
-/* Write n tokens src[n][hkv][row] (row = D * itemsize bytes) into slots
- * [slot0, slot0 + n) of one layer (base = start of that layer's region).
- *
- * A new token's rows land in pool memory last touched long ago, so with
- * AVX2/AVX-512 they are written with streaming (non-temporal) stores when
- * the rows allow it: no read-for-ownership of the destination lines, half
- * the memory traffic of a plain copy. */
-static inline void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,
-                                    int64_t slot0, int64_t n, const char *src, int simd) {
-    const size_t block_bytes = (size_t)hkv * bs * row;
-    void (*copy)(char *, const char *, size_t) = NULL;
-#if PKV_X86
-    /* rows start at multiples of `row` from a 64-aligned pool */
-    if (row % 128 == 0) {
-        if (simd == PKV_SIMD_AVX512) copy = pkv_stream_copy_avx512;
-        else if (simd == PKV_SIMD_AVX2) copy = pkv_stream_copy_avx2;
-    }
-#endif
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t slot = slot0 + t;
-        char *dst = base + (size_t)table[slot / bs] * block_bytes + (size_t)(slot % bs) * row;
-        const char *s = src + (size_t)t * hkv * row;
-        if (copy) {
-            for (int h = 0; h < hkv; h++) copy(dst + (size_t)h * bs * row, s + (size_t)h * row, row);
-        } else {
-            for (int h = 0; h < hkv; h++) memcpy(dst + (size_t)h * bs * row, s + (size_t)h * row, row);
-        }
-    }
-#if PKV_X86
-    if (copy) _mm_sfence();
-#endif
-}
 
 typedef void (*pkv_attn_fn)(const pkv_attn_args *);
 

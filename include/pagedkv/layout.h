@@ -48,6 +48,21 @@ static inline int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_se
     return 0;
 }
 
+/* Write n tokens src[n][hkv][row] (row = D * itemsize bytes) into slots
+ * [slot0, slot0 + n) of one layer (base = start of that layer's region).
+ * (Streaming stores were measured and dropped: no faster for pools larger
+ * than the caches, slower for pools that fit.) */
+static inline void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,
+                                    int64_t slot0, int64_t n, const char *src) {
+    const size_t block_bytes = (size_t)hkv * bs * row;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = slot0 + t;
+        char *dst = base + (size_t)table[slot / bs] * block_bytes + (size_t)(slot % bs) * row;
+        const char *s = src + (size_t)t * hkv * row;
+        for (int h = 0; h < hkv; h++) memcpy(dst + (size_t)h * bs * row, s + (size_t)h * row, row);
+    }
+}
+
 /* Copy held slots [slot0, slot1) of one layer into dst[..][hkv][row]. */
 static inline void pkv_read_tokens(const char *base, const int32_t *table, int bs, int hkv,
                                    size_t row, int64_t slot0, int64_t slot1, char *dst) {
