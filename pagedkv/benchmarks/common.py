@@ -225,8 +225,10 @@ class Impl:
     µs-scale call be timed without a Python closure call per iteration).
     ``setup()`` runs untimed before every sample (e.g. to rewind a cache).
     ``inner`` fixes the calls per sample instead of calibrating it.
-    ``cooldown``: idle seconds after each of its samples (see
-    ``Settings.cooldown_after_blas``).
+    ``cooldown``: idle seconds between one of its samples and a following
+    sample of an implementation without a cooldown (see
+    ``Settings.cooldown_after_blas``; two BLAS users in a row need none: the
+    spinning workers serve the second one).
     """
 
     run: Callable[[int], None]
@@ -283,14 +285,17 @@ def measure(impls: Dict[str, Impl], settings: Settings, repeats: Optional[int] =
              for name in names}
     samples: Dict[str, List[float]] = {name: [] for name in names}
     t0 = time.perf_counter()
+    prev = None
     for r in range(max(1, repeats)):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            if settings.gap:
-                time.sleep(settings.gap)
+            pause = settings.gap
+            if prev is not None and prev.cooldown and not impls[name].cooldown:
+                pause = max(pause, prev.cooldown)
+            if pause:
+                time.sleep(pause)
             samples[name].append(_timed(impls[name], inner[name]) / inner[name])
-            if impls[name].cooldown:
-                time.sleep(impls[name].cooldown)
+            prev = impls[name]
         if (settings.budget is not None and r + 1 >= min(3, repeats) and r + 1 < repeats
                 and time.perf_counter() - t0 > settings.budget):
             settings.note(f"a time budget ({settings.budget:.0f} s per configuration) cut some "
