@@ -284,6 +284,10 @@ def measure(impls: Dict[str, Impl], settings: Settings, repeats: Optional[int] =
     inner = {name: calibrate(impls[name], settings.target, first=prior.get(name))
              for name in names}
     samples: Dict[str, List[float]] = {name: [] for name in names}
+    # the warm-up and calibration calls may have just run a BLAS user
+    initial = max((impls[n].cooldown for n in names), default=0.0)
+    if initial:
+        time.sleep(initial)
     t0 = time.perf_counter()
     prev = None
     for r in range(max(1, repeats)):
