@@ -426,11 +426,16 @@ static void FN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             const size_t base = (size_t)table[bi] * bstride + (size_t)off * d;
             /* the next block may be anywhere in the pool: fold_run asks for it
              * key by key while it computes on this one */
-            const size_t nbase = bi + 1 < nblk ? (size_t)table[bi + 1] * bstride : 0;
             for (int hh = 0; hh < nh; hh++) {
                 const T *kp = kb + base + hh * hstride, *vp = vb + base + hh * hstride;
-                const T *kn = bi + 1 < nblk ? kb + nbase + hh * hstride : NULL;
-                const T *vn = bi + 1 < nblk ? vb + nbase + hh * hstride : NULL;
+                /* prefetch the run needed next: this block's next head, or the
+                 * next block's first one (measured: -10% time per key-head over
+                 * prefetching the next block's same head; farther ahead, or into
+                 * L2 only, made no difference on the development machine) */
+                const int ahead = hh + 1;
+                const int64_t pbi = bi + ahead / nh;
+                const T *kn = pbi < nblk ? kb + (size_t)table[pbi] * bstride + (ahead % nh) * hstride : NULL;
+                const T *vn = pbi < nblk ? vb + (size_t)table[pbi] * bstride + (ahead % nh) * hstride : NULL;
                 if (a->rope) {
                     for (int j = 0; j < n; j++)
                         FN(rope_one)(kbuf + (size_t)j * d, kp + (size_t)j * d, a->rope, rr + j, d);
