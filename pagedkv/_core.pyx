@@ -855,9 +855,9 @@ cdef class CacheCore:
         self.written[slot * self.num_layers + l] = total
         self._touch(slot)
 
-    cdef int64_t _batch_slots(self, object sids) except -1:
-        """Fill b_slots from a sequence of distinct ids; return B."""
-        cdef int64_t B, i, slot
+    cdef int64_t _batch_len(self, object sids) except -1:
+        """B = len(sids), checked: 1 <= B <= max_seqs."""
+        cdef int64_t B
         try:
             B = len(sids)
         except TypeError:
@@ -866,6 +866,11 @@ cdef class CacheCore:
             raise ValueError("sids must name at least one sequence")
         if B > self.max_seqs:
             raise ValueError(f"{B} sequence ids given; the cache holds at most {self.max_seqs}")
+        return B
+
+    cdef int64_t _batch_slots(self, object sids) except -1:
+        """Fill b_slots from a sequence of distinct ids; return B."""
+        cdef int64_t B = self._batch_len(sids), i, slot
         self.mark += 1
         for i in range(B):
             slot = self._slot(sids[i])
@@ -1000,14 +1005,7 @@ cdef class CacheCore:
         cdef int l = self._check_layer(layer)
         cdef int64_t B, i, slot
         cdef int hq
-        try:
-            B = len(sids)
-        except TypeError:
-            raise TypeError(f"sids must be a sequence of ints, got {type(sids).__name__}") from None
-        if B < 1:
-            raise ValueError("sids must name at least one sequence")
-        if B > self.max_seqs:
-            raise ValueError(f"{B} sequence ids given; the cache holds at most {self.max_seqs}")
+        B = self._batch_len(sids)
         q = self._query(q, B, "B", &hq)
         cdef double sc = self._scale(scale)
         for i in range(B):
