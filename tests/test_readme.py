@@ -1,0 +1,24 @@
+"""The README's Python examples run as written (in order, one namespace)."""
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.skipif(not README.exists(), reason="README.md is not next to the tests (installed copy)")
+def test_readme_examples_run(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    ns = {}
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), ns)
+    cache, sid = ns["cache"], ns["sid"]
+    # the StreamingLLM example: 4 sinks + 1020 recent + the newest token
+    kept = cache.kept_positions(sid)
+    assert len(kept) == 1025
+    np.testing.assert_array_equal(kept[:5], [0, 1, 2, 3, 3979])
+    assert kept[-1] == 4999
+    assert "blocks" in capsys.readouterr().out
