@@ -97,19 +97,6 @@ def simd_supported():
     return list(_SIMD_NAMES[:_simd_detected + 1])
 
 
-def _set_simd(name):
-    """Switch the SIMD path (tests and benchmarks); returns the previous one."""
-    global _simd
-    if name not in _SIMD_NAMES:
-        raise ValueError(f"unknown SIMD path {name!r}; expected one of {_SIMD_NAMES}")
-    level = _SIMD_NAMES.index(name)
-    if level > _simd_detected:
-        raise ValueError(f"this CPU cannot run {name!r}")
-    prev = _SIMD_NAMES[_simd]
-    _simd = level
-    return prev
-
-
 def has_openmp():
     """True when the extension was built with OpenMP."""
     return bool(pkv_have_openmp())
@@ -483,7 +470,8 @@ cdef class CacheCore:
         self.last_use[slot] = self.tick
         self.use_count[slot] = 0
 
-    def contains(self, sid):
+    def __contains__(self, sid):
+        """`sid in cache`: True for a live sequence id."""
         try:
             self._slot(sid)
         except (KeyError, TypeError):

@@ -972,3 +972,12 @@ def test_kept_positions_without_eviction(rng):
     np.testing.assert_array_equal(cache.kept_positions(sid), np.arange(4))
     child = cache.fork(sid)
     np.testing.assert_array_equal(cache.kept_positions(child), np.arange(4))
+
+
+def test_contains_tells_live_ids():
+    cache = pagedkv.PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2)
+    sid = cache.add_sequence()
+    assert sid in cache
+    assert sid + 1 not in cache and "x" not in cache and -1 not in cache
+    cache.free(sid)
+    assert sid not in cache
