@@ -251,7 +251,7 @@ cdef class CacheCore:
         readonly int64_t evicted_blocks
         readonly int64_t peak_used
         void *_r[19]              # raw pointers of the metadata arrays, for free()
-        bint busy                 # a kernel runs without the GIL on this cache
+        bint busy                 # an attend/gather call is under way (it releases the GIL)
         int64_t plan[3]           # the last attention call's threads, heads/item, key chunks
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
@@ -417,8 +417,12 @@ cdef class CacheCore:
         return 0
 
     cdef inline int64_t _slot(self, object sid) except -1:
-        cdef long long s
+        """Metadata slot of a live sequence id (KeyError otherwise); the cache must be idle."""
         self._check_idle()
+        return self._lookup(sid)
+
+    cdef inline int64_t _lookup(self, object sid) except -1:
+        cdef long long s
         if type(sid) is not int and (not isinstance(sid, (int, np.integer))
                                      or isinstance(sid, (bool, np.bool_))):
             raise TypeError(f"sequence id must be an int, got {type(sid).__name__}")
@@ -930,9 +934,11 @@ cdef class CacheCore:
             raise RuntimeError("internal error: inconsistent sequence metadata")
         return 0
 
-    cdef void _fill_args(self, pkv_attn_args *a, int layer, int hq, double scale,
-                         object q, object out) noexcept:
+    cdef int _fill_args(self, pkv_attn_args *a, int layer, int hq, double scale,
+                        object q, object out) except -1:
         cdef size_t lo = <size_t>layer * self.layer_bytes
+        a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
+        self._ensure_scratch(a.nthreads)
         a.k = self.k_data + lo
         a.v = self.v_data + lo
         a.bs = self.block_size
@@ -945,9 +951,12 @@ cdef class CacheCore:
         a.out = cnp.PyArray_DATA(out)
         a.scale = scale
         a.rope = &self.rope if self.has_rope else NULL
-        a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
+        a.scratch = self.scratch
         a.scratch_stride = self.scratch_stride
+        a.partial = self.partial
+        a.partial_slots = 2 * self.scratch_threads
         a.plan_out = self.plan
+        return 0
 
     cdef double _scale(self, object scale) except? -1:
         if scale is None:
@@ -959,7 +968,15 @@ cdef class CacheCore:
 
     def attend(self, sid, q, layer=0, scale=None, out=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
-        cdef int64_t slot = self._slot(sid)
+        self._check_idle()
+        self.busy = True  # from here on, other threads' calls on this cache raise
+        try:
+            return self._attend(sid, q, layer, scale, out)
+        finally:
+            self.busy = False
+
+    cdef object _attend(self, object sid, object q, object layer, object scale, object out):
+        cdef int64_t slot = self._lookup(sid)
         cdef int l = self._check_layer(layer)
         cdef int hq
         q = self._query(q, -1, "n", &hq)
@@ -969,27 +986,29 @@ cdef class CacheCore:
         out = self._output(out, n, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
-        self._ensure_scratch(a.nthreads)
-        a.scratch = self.scratch
-        a.partial = self.partial
-        a.partial_slots = 2 * self.scratch_threads
         self.b_tables[0] = self.tables + slot * self.max_blocks_per_seq
         self.b_segs[0] = self.segs[slot]
         a.nseq = 1
         a.nq = n
-        self._check_idle()
-        self.busy = True
         with nogil:
             if n == 1:
                 pkv_decode(&a, self.dtype_code, _simd)
             else:
                 pkv_prefill(&a, self.dtype_code, _simd)
-        self.busy = False
         self._touch(slot)
         return out
 
     def attend_batch(self, sids, q, layer=0, scale=None, out=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
+        self._check_idle()
+        self.busy = True  # from here on, other threads' calls on this cache raise
+        try:
+            return self._attend_batch(sids, q, layer, scale, out)
+        finally:
+            self.busy = False
+
+    cdef object _attend_batch(self, object sids, object q, object layer, object scale,
+                              object out):
         cdef int l = self._check_layer(layer)
         cdef int64_t B, i, slot
         cdef int hq
@@ -997,7 +1016,7 @@ cdef class CacheCore:
         q = self._query(q, B, "B", &hq)
         cdef double sc = self._scale(scale)
         for i in range(B):
-            slot = self._slot(sids[i])
+            slot = self._lookup(sids[i])
             self._check_attendable(slot, l, 1)
             self.b_slots[i] = slot
             self.b_tables[i] = self.tables + slot * self.max_blocks_per_seq
@@ -1005,17 +1024,10 @@ cdef class CacheCore:
         out = self._output(out, B, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
-        self._ensure_scratch(a.nthreads)
-        a.scratch = self.scratch
-        a.partial = self.partial
-        a.partial_slots = 2 * self.scratch_threads
         a.nseq = B
         a.nq = 1
-        self._check_idle()
-        self.busy = True
         with nogil:
             pkv_decode(&a, self.dtype_code, _simd)
-        self.busy = False
         for i in range(B):
             self._touch(self.b_slots[i])
         return out
@@ -1025,7 +1037,15 @@ cdef class CacheCore:
 
     def gather(self, sid, layer=0):
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
-        cdef int64_t slot = self._slot(sid)
+        self._check_idle()
+        self.busy = True  # from here on, other threads' calls on this cache raise
+        try:
+            return self._gather(sid, layer)
+        finally:
+            self.busy = False
+
+    cdef object _gather(self, object sid, object layer):
+        cdef int64_t slot = self._lookup(sid)
         cdef int l = self._check_layer(layer)
         cdef pkv_segs s = self.segs[slot]
         cdef int64_t held = _held(&s), n0 = s.a1 - s.a0
@@ -1036,8 +1056,6 @@ cdef class CacheCore:
         v = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
         cdef char *kp = <char *>cnp.PyArray_DATA(k)
         cdef char *vp = <char *>cnp.PyArray_DATA(v)
-        self._check_idle()
-        self.busy = True
         with nogil:
             pkv_read_tokens(self.k_data + lo, table, self.block_size, self.num_kv_heads,
                             self.row_bytes, s.a0, s.a1, kp)
@@ -1047,7 +1065,6 @@ cdef class CacheCore:
                             self.row_bytes, s.b0, s.b1, kp + n0 * tok)
             pkv_read_tokens(self.v_data + lo, table, self.block_size, self.num_kv_heads,
                             self.row_bytes, s.b0, s.b1, vp + n0 * tok)
-        self.busy = False
         return k, v
 
     def fork(self, sid):
