@@ -416,6 +416,13 @@ cdef class CacheCore:
                 "this cache is in use by another thread (a cache serves one call at a time)")
         return 0
 
+    cdef inline int _claim(self) except -1:
+        """Mark the cache busy for a call that releases the GIL (the caller clears
+        it in a finally): from here on other threads' calls on this cache raise."""
+        self._check_idle()
+        self.busy = True
+        return 0
+
     cdef inline int64_t _slot(self, object sid) except -1:
         """Metadata slot of a live sequence id (KeyError otherwise); the cache must be idle."""
         self._check_idle()
@@ -968,8 +975,7 @@ cdef class CacheCore:
 
     def attend(self, sid, q, layer=0, scale=None, out=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
-        self._check_idle()
-        self.busy = True  # from here on, other threads' calls on this cache raise
+        self._claim()
         try:
             return self._attend(sid, q, layer, scale, out)
         finally:
@@ -1000,8 +1006,7 @@ cdef class CacheCore:
 
     def attend_batch(self, sids, q, layer=0, scale=None, out=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
-        self._check_idle()
-        self.busy = True  # from here on, other threads' calls on this cache raise
+        self._claim()
         try:
             return self._attend_batch(sids, q, layer, scale, out)
         finally:
@@ -1037,8 +1042,7 @@ cdef class CacheCore:
 
     def gather(self, sid, layer=0):
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
-        self._check_idle()
-        self.busy = True  # from here on, other threads' calls on this cache raise
+        self._claim()
         try:
             return self._gather(sid, layer)
         finally:
