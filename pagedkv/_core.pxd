@@ -8,22 +8,39 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_AVX512
     int pkv_detect_simd()
 
-cdef extern from "pagedkv/layout.h" nogil:
+cdef extern from "pagedkv/types.h" nogil:
+    ctypedef enum pkv_dtype:
+        PKV_F32
+        PKV_F64
+    ctypedef struct pkv_storage:
+        pkv_dtype dtype
+        int itemsize
+    ctypedef struct pkv_geom:
+        int num_layers, hkv, bs, d
+        pkv_storage store
+        size_t row_bytes
+        size_t head_bytes
+        size_t plane_bytes
+        size_t block_bytes
     ctypedef struct pkv_segs:
         int64_t a0
         int64_t a1
         int64_t b0
         int64_t b1
+    pkv_geom pkv_geom_make(int num_layers, int hkv, int bs, int d, pkv_dtype store)
+    size_t pkv_k_offset(const pkv_geom *g, int layer)
+    int64_t pkv_held(const pkv_segs *s)
     int pkv_max_threads()
     int pkv_have_openmp()
+
+cdef extern from "pagedkv/layout.h" nogil:
     int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_segs *s, int bs,
                       int64_t num_blocks)
-    void pkv_write_tokens(char *base, const int32_t *table, int bs, int hkv, size_t row,
-                          int64_t slot0, int64_t n, const char *src)
-    void pkv_read_tokens(const char *base, const int32_t *table, int bs, int hkv, size_t row,
-                         int64_t slot0, int64_t slot1, char *dst)
-    void pkv_copy_block(char *buf, int64_t num_blocks, int num_layers, size_t block_bytes,
-                        int32_t dst, int32_t src)
+    void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_t *table, int layer,
+                          int64_t slot0, int64_t n, const char *k, const char *v)
+    void pkv_read_tokens(const pkv_geom *g, const char *arena, const int32_t *table, int layer,
+                         int64_t slot0, int64_t slot1, char *k, char *v)
+    void pkv_copy_block(const pkv_geom *g, char *arena, int32_t dst, int32_t src)
 
 cdef extern from "pagedkv/attention.h" nogil:
     enum:
@@ -36,6 +53,7 @@ cdef extern from "pagedkv/attention.h" nogil:
     ctypedef struct pkv_attn_args:
         const void *k
         const void *v
+        size_t block_stride
         int bs, hkv, hq, d
         int64_t nseq
         const int32_t *const *tables
@@ -51,8 +69,11 @@ cdef extern from "pagedkv/attention.h" nogil:
         int64_t partial_slots
         int nthreads
         int64_t *plan_out
+    ctypedef void (*pkv_attn_fn)(const pkv_attn_args *a)
+    ctypedef struct pkv_kernels:
+        pkv_attn_fn decode
+        pkv_attn_fn prefill
+    const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd)
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
-    void pkv_decode(const pkv_attn_args *a, int dtype, int simd)
-    void pkv_prefill(const pkv_attn_args *a, int dtype, int simd)
     double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)

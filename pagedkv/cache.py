@@ -1,42 +1,40 @@
-"""PagedKVCache: the user-facing cache.
+"""PagedKVCache: the user-facing cache, a facade over the Cython core.
 
-The mechanics (pool, block tables, kernels, argument checks) are in the
-Cython core, which this class extends with policy and reporting: the
-StreamingLLM configuration, RoPE tables, statistics and ``repr``.  The hot
-methods (``append``, ``attend``, ``append_batch``, ``attend_batch``) are the
-core's own, so a call crosses into C once and allocates nothing.
+The facade holds the core (``pagedkv._core.CacheCore``: block pool, sequence
+table, kernels) and the whole-sequence evictor (``pagedkv/eviction.py``) and
+exposes exactly the documented API.  Where each concept lives:
+
+    pool, free queue         pagedkv/_pool.pxi
+    sequence table           pagedkv/_seqtable.pxi
+    argument checks, calls   pagedkv/_core.pyx
+    kernels, dispatch        include/pagedkv/ (attention.h has the table)
+    StreamingLLM policy      pagedkv/streaming.py
+    sequence eviction        pagedkv/eviction.py
+    statistics               pagedkv/stats.py
 """
 from __future__ import annotations
 
-import collections
-import math
-from typing import Callable, Iterable, List, Optional, Tuple, Union
+import warnings
+from typing import Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from pagedkv._core import CacheCore, OutOfBlocksError
+from pagedkv._core import CacheCore
 from pagedkv.eviction import (
-    CAUSE_MANUAL,
-    CAUSE_ONE_SHOT,
-    CAUSE_OUT_OF_BLOCKS,
-    CAUSE_STRATEGY,
-    CAUSE_STREAMING,
-    CAUSE_THRESHOLD,
-    EvictionRecord,
     EvictionStrategy,
+    OnEvict,
+    SequenceEvictor,
     SequenceInfo,
-    eviction_order,
-    select_victim,
+    check_priority,
 )
 from pagedkv.rope import RoPE
-from pagedkv.stats import CacheStats
+from pagedkv.stats import CacheStats, collect
 from pagedkv.streaming import StreamingLLM
 
+_UNSET = object()
 
-_OnEvict = Callable[[int, str], None]
 
-
-class PagedKVCache(CacheCore):
+class PagedKVCache:
     """A paged KV cache with paged attention over its pages.
 
     K/V live in one preallocated pool of ``num_blocks`` blocks of
@@ -52,7 +50,9 @@ class PagedKVCache(CacheCore):
         dtype: "float32" or "float64".
         max_seqs: live sequences at most (metadata is preallocated).
         max_blocks_per_seq: blocks one sequence may hold (None: num_blocks).
-        eviction: None or ``StreamingLLM(sink_tokens, window_tokens)``.
+        streaming: None or ``StreamingLLM(sink_tokens, window_tokens)``: trim
+            every sequence to its attention sinks plus a recent window
+            (``eviction=`` is the old name, accepted with a DeprecationWarning).
         rope: None or ``RoPE(theta, rotary_dim)``: keys and queries arrive
             un-rotated and are rotated inside attention by cache position.
         eviction_strategy: which whole sequence to evict when the pool runs
@@ -99,8 +99,12 @@ class PagedKVCache(CacheCore):
     the OutOfBlocksError is raised.  (That check counts the blocks the other
     sequences hold alone or share only with the call's sequences; with forks
     it can be optimistic, and then the evictions made before the error are
-    still reported.)  Without auto_evict, ``append`` is the core's method
-    itself: no Python runs per call.
+    still reported.)
+
+    The hot methods (``append``, ``attend``, ``append_batch``,
+    ``attend_batch``) are the core's own, bound on the instance: a call
+    crosses into C once and runs no Python; in automatic mode ``append`` and
+    ``append_batch`` are the evictor's.
 
     Eviction statistics: ``stats().evicted_tokens`` / ``evicted_blocks``
     count StreamingLLM evictions plus the tokens and blocks held by evicted
@@ -112,7 +116,6 @@ class PagedKVCache(CacheCore):
     "manual", "strategy", "threshold" and "out_of_blocks".
     """
 
-    eviction_log: "collections.deque[EvictionRecord]"
 
     def __init__(
         self,
@@ -124,21 +127,25 @@ class PagedKVCache(CacheCore):
         dtype="float32",
         max_seqs: int = 256,
         max_blocks_per_seq: Optional[int] = None,
-        eviction: Optional[StreamingLLM] = None,
+        streaming: Optional[StreamingLLM] = None,
         rope: Optional[RoPE] = None,
         eviction_strategy: Union[str, EvictionStrategy] = EvictionStrategy.LRU,
         eviction_threshold: float = 0.95,
         auto_evict: bool = False,
-        on_evict: Optional[_OnEvict] = None,
+        on_evict: Optional[OnEvict] = None,
+        eviction=_UNSET,
     ):
-        if eviction is not None and not isinstance(eviction, StreamingLLM):
-            raise TypeError(f"eviction must be None or a StreamingLLM, got {type(eviction).__name__}")
+        if eviction is not _UNSET:
+            warnings.warn("PagedKVCache(eviction=...) is deprecated; pass streaming=... instead",
+                          DeprecationWarning, stacklevel=2)
+            if streaming is not None:
+                raise TypeError("pass StreamingLLM as streaming=, not both streaming= and eviction=")
+            streaming = eviction
+        if streaming is not None and not isinstance(streaming, StreamingLLM):
+            raise TypeError(
+                f"streaming must be None or a StreamingLLM, got {type(streaming).__name__}")
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope must be None or a RoPE, got {type(rope).__name__}")
-        strategy = EvictionStrategy.parse(eviction_strategy)
-        threshold = _utilization("eviction_threshold", eviction_threshold)
-        if on_evict is not None and not callable(on_evict):
-            raise TypeError(f"on_evict must be callable, got {type(on_evict).__name__}")
         cos = sin = None
         if rope is not None:
             if not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
@@ -146,89 +153,135 @@ class PagedKVCache(CacheCore):
             mbps = num_blocks if max_blocks_per_seq is None else max_blocks_per_seq
             cos, sin = rope.tables(int(mbps) * int(block_size), int(head_dim),
                                    np.dtype(dtype))
-        super().__init__(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
+        evictor_args = (eviction_strategy, eviction_threshold, on_evict)
+        SequenceEvictor(None, *evictor_args)  # validates before the pool is allocated
+        core = CacheCore(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
                          max_seqs, max_blocks_per_seq, cos, sin)
-        self.eviction = eviction
+        self._core = core
+        self._evictor = SequenceEvictor(core, *evictor_args)
+        self.streaming = streaming
         self.rope = rope
-        if eviction is not None:
-            self._set_streaming(eviction.sink_tokens, eviction.window_tokens)
-        self._strategy = strategy
-        self._threshold = threshold
-        self.on_evict = on_evict
-        #: the latest whole-sequence evictions, oldest first (at most 1024 kept)
-        self.eviction_log = collections.deque(maxlen=1024)
-        self._evicted_sequences = 0
-        # cause -> [sequences, tokens, blocks] of whole-sequence evictions
-        self._seq_evictions = {}
-        # part of the core's evicted_tokens / evicted_blocks due to apply_streaming_llm
-        self._one_shot_tokens = 0
-        self._one_shot_blocks = 0
-        # sid -> [priority, creation order]
-        self._seq_meta = {}
-        self._created = 0
+        if streaming is not None:
+            core.set_streaming(streaming.sink_tokens, streaming.window_tokens)
+        # the hot methods: the core's own (see the class docstring)
+        self.attend = core.attend
+        self.attend_batch = core.attend_batch
+        self.gather = core.gather
         self.auto_evict = auto_evict
 
+    # ------------------------------------------------------------------
+    # geometry and state
+
+    num_blocks = property(lambda self: self._core.num_blocks, doc="Blocks in the pool.")
+    num_free_blocks = property(lambda self: self._core.num_free_blocks,
+                               doc="Blocks on the free queue now.")
+    block_size = property(lambda self: self._core.block_size, doc="Tokens per block.")
+    num_kv_heads = property(lambda self: self._core.num_kv_heads, doc="Key/value heads (Hkv).")
+    head_dim = property(lambda self: self._core.head_dim, doc="Dimension of one head (D).")
+    num_layers = property(lambda self: self._core.num_layers, doc="Layers.")
+    max_seqs = property(lambda self: self._core.max_seqs, doc="Live sequences at most.")
+    max_blocks_per_seq = property(lambda self: self._core.max_blocks_per_seq,
+                                  doc="Blocks one sequence may hold.")
+    dtype = property(lambda self: self._core.dtype, doc="dtype of arrays in and out.")
+    bytes_per_block = property(lambda self: self._core.bytes_per_block,
+                               doc="Bytes of one block: K and V of every layer.")
+    last_attention_plan = property(
+        lambda self: self._core.last_attention_plan,
+        doc="How the last attend call ran: (threads used, KV heads per work item, key chunks "
+            "per sequence; > 1 means split-K with a log-sum-exp merge).")
+
     @property
-    def eviction_strategy(self) -> EvictionStrategy:
-        """The whole-sequence eviction strategy (settable; names are accepted)."""
-        return self._strategy
-
-    @eviction_strategy.setter
-    def eviction_strategy(self, value: Union[str, EvictionStrategy]) -> None:
-        self._strategy = EvictionStrategy.parse(value)
-
-    @property
-    def eviction_threshold(self) -> float:
-        """Default target utilization of evict_to_threshold() (settable, in [0, 1])."""
-        return self._threshold
-
-    @eviction_threshold.setter
-    def eviction_threshold(self, value: float) -> None:
-        self._threshold = _utilization("eviction_threshold", value)
+    def eviction(self) -> Optional[StreamingLLM]:
+        """Deprecated name of ``streaming``."""
+        warnings.warn("PagedKVCache.eviction is deprecated; use .streaming",
+                      DeprecationWarning, stacklevel=2)
+        return self.streaming
 
     # ------------------------------------------------------------------
-    # sequences (bookkeeping for the eviction strategies)
+    # the hot methods (bound to the core's on each instance; these class-level
+    # definitions document them and serve unbound calls)
+
+    def append(self, sid: int, k, v, layer: int = 0):
+        """Append n tokens' keys and values, each [n, Hkv, D] (see the class docstring)."""
+        return self._core.append(sid, k, v, layer)
+
+    def append_batch(self, sids, k, v, layer: int = 0):
+        """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
+        return self._core.append_batch(sids, k, v, layer)
+
+    def attend(self, sid: int, q, layer: int = 0, scale=None, out=None) -> np.ndarray:
+        """Causal attention of the newest n tokens' queries q [n, Hq, D] -> [n, Hq, D]."""
+        return self._core.attend(sid, q, layer, scale, out)
+
+    def attend_batch(self, sids, q, layer: int = 0, scale=None, out=None) -> np.ndarray:
+        """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
+        return self._core.attend_batch(sids, q, layer, scale, out)
+
+    def gather(self, sid: int, layer: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
+        return self._core.gather(sid, layer)
+
+    # ------------------------------------------------------------------
+    # sequences
 
     def add_sequence(self, priority: float = 0) -> int:
         """Start an empty sequence and return its id.
 
         ``priority`` matters to the "priority" strategy only: lower values
         are evicted first."""
-        p = _priority(priority)
-        sid = CacheCore.add_sequence(self)
-        self._seq_meta[sid] = [p, self._created]
-        self._created += 1
-        return sid
+        return self._core.add_sequence(check_priority(priority))
 
     def fork(self, sid: int) -> int:
         """New sequence sharing every block of `sid` (copy-on-write); it
         inherits the parent's priority."""
-        child = CacheCore.fork(self, sid)
-        self._seq_meta[child] = [self._meta(sid)[0], self._created]
-        self._created += 1
-        return child
+        return self._core.fork(sid)
+
+    def truncate(self, sid: int, length: int) -> None:
+        """Roll back to the first `length` held tokens."""
+        self._core.truncate(sid, length)
 
     def free(self, sid: int) -> None:
         """Release a sequence and every block only it held."""
-        CacheCore.free(self, sid)
-        self._seq_meta.pop(sid, None)
+        self._core.free(sid)
+
+    def seq_len(self, sid: int) -> int:
+        """Tokens the sequence holds now (after eviction)."""
+        return self._core.seq_len(sid)
+
+    def kept_positions(self, sid: int) -> np.ndarray:
+        """Original stream positions of the held tokens, in order (int64)."""
+        return self._core.kept_positions(sid)
+
+    def num_seq_blocks(self, sid: int) -> int:
+        """Blocks the sequence holds now."""
+        return self._core.num_seq_blocks(sid)
+
+    def block_table(self, sid: int) -> np.ndarray:
+        """Physical block ids of the sequence, in order (a copy, int32)."""
+        return self._core.block_table(sid)
+
+    def sequence_ids(self) -> List[int]:
+        """Ids of the live sequences."""
+        return self._core.sequence_ids()
+
+    def __contains__(self, sid) -> bool:
+        """``sid in cache``: True for a live sequence id."""
+        return sid in self._core
+
+    def sequence_info(self, sid: int) -> SequenceInfo:
+        """What the eviction strategies see of a live sequence: last use,
+        use count, tokens, blocks, priority, creation order."""
+        self._core.seq_len(sid)  # KeyError / TypeError for a bad id
+        sid = int(sid)
+        return next(i for i in self._evictor.infos() if i.sid == sid)
 
     def set_priority(self, sid: int, priority: float) -> None:
         """Change the priority of a live sequence (lower is evicted first)."""
-        self.seq_len(sid)  # KeyError for an unknown id
-        self._meta(sid)[0] = _priority(priority)
+        self._core.set_priority(sid, check_priority(priority))
 
     def priority(self, sid: int) -> float:
         """The priority of a live sequence."""
-        self.seq_len(sid)
-        return self._meta(sid)[0]
-
-    def _meta(self, sid):
-        m = self._seq_meta.get(sid)
-        if m is None:  # a sequence made through CacheCore directly
-            m = self._seq_meta[sid] = [0, self._created]
-            self._created += 1
-        return m
+        return self._core.priority(sid)
 
     # ------------------------------------------------------------------
     # StreamingLLM
@@ -241,35 +294,64 @@ class PagedKVCache(CacheCore):
         tokens) or when the kept tokens would not form at most two runs (a
         sequence trimmed before with other sizes)."""
         StreamingLLM(sink_tokens, window_tokens)  # validates
-        blocks_before = self.evicted_blocks
-        evicted, _ = self.trim(sid, sink_tokens, window_tokens)
-        self._one_shot_tokens += evicted
-        self._one_shot_blocks += self.evicted_blocks - blocks_before
+        evicted, _ = self._core.trim(sid, sink_tokens, window_tokens)
         return evicted
 
     # ------------------------------------------------------------------
-    # whole-sequence eviction
+    # whole-sequence eviction (pagedkv/eviction.py)
 
-    def _infos(self, exclude) -> List[SequenceInfo]:
-        out = []
-        for sid in self.sequence_ids():
-            if sid in exclude:
-                continue
-            last, count = self.usage(sid)
-            pri, order = self._meta(sid)
-            out.append(SequenceInfo(sid=sid, last_use=last, use_count=count,
-                                    tokens=self.seq_len(sid), blocks=self.num_seq_blocks(sid),
-                                    priority=pri, order=order))
-        return out
+    @property
+    def eviction_strategy(self) -> EvictionStrategy:
+        """The whole-sequence eviction strategy (settable; names are accepted)."""
+        return self._evictor.strategy
+
+    @eviction_strategy.setter
+    def eviction_strategy(self, value: Union[str, EvictionStrategy]) -> None:
+        self._evictor.strategy = value
+
+    @property
+    def eviction_threshold(self) -> float:
+        """Default target utilization of evict_to_threshold() (settable, in [0, 1])."""
+        return self._evictor.threshold
+
+    @eviction_threshold.setter
+    def eviction_threshold(self, value: float) -> None:
+        self._evictor.threshold = value
+
+    @property
+    def on_evict(self) -> Optional[OnEvict]:
+        """``callback(sid, cause)`` called after every whole-sequence eviction (settable)."""
+        return self._evictor.on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Optional[OnEvict]) -> None:
+        self._evictor.on_evict = fn
+
+    @property
+    def eviction_log(self):
+        """The latest whole-sequence evictions (EvictionRecord), oldest first (at most 1024)."""
+        return self._evictor.log
+
+    @property
+    def auto_evict(self) -> bool:
+        """Whether appends evict other sequences instead of raising OutOfBlocksError."""
+        return self._auto_evict
+
+    @auto_evict.setter
+    def auto_evict(self, on: bool) -> None:
+        self._auto_evict = bool(on)
+        owner = self._evictor if self._auto_evict else self._core
+        self.append = owner.append
+        self.append_batch = owner.append_batch
 
     def eviction_order(self, exclude: Iterable[int] = ()) -> List[int]:
         """Live sequence ids in the order the strategy would evict them."""
-        return eviction_order(self.eviction_strategy, self._infos(_id_set(exclude)))
+        return self._evictor.order(exclude)
 
     def select_eviction_target(self, exclude: Iterable[int] = ()) -> Optional[int]:
         """The id the strategy would evict next (None when no live sequence
         remains outside `exclude`).  Changes nothing."""
-        return select_victim(self.eviction_strategy, self._infos(_id_set(exclude)))
+        return self._evictor.select(exclude)
 
     def evict(self, sid: Optional[int] = None) -> Optional[int]:
         """Evict a whole sequence now and return its id.
@@ -279,13 +361,7 @@ class PagedKVCache(CacheCore):
         The sequence is freed: its id raises KeyError from then on and the
         blocks it held alone return to the pool.  The eviction is reported to
         ``on_evict`` and recorded in ``eviction_log`` and the statistics."""
-        if sid is None:
-            sid = self.select_eviction_target()
-            if sid is None:
-                return None
-            return self._evict(sid, CAUSE_STRATEGY, str(self.eviction_strategy))
-        self.seq_len(sid)  # KeyError / TypeError for a bad id, before anything changes
-        return self._evict(int(sid), CAUSE_MANUAL, None)
+        return self._evictor.evict(sid)
 
     def evict_to_threshold(self, utilization: Optional[float] = None,
                            exclude: Iterable[int] = ()) -> List[int]:
@@ -293,217 +369,30 @@ class PagedKVCache(CacheCore):
         blocks <= `utilization` (default: ``eviction_threshold``) or no
         sequence outside `exclude` is left.  Returns the evicted ids in order
         (cause "threshold")."""
-        target = self.eviction_threshold if utilization is None else _utilization(
-            "utilization", utilization)
-        ex = _id_set(exclude)
-        evicted = []
-        while (self.num_blocks - self.num_free_blocks) > target * self.num_blocks:
-            sid = self.select_eviction_target(ex)
-            if sid is None:
-                break
-            evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.eviction_strategy)))
-        return evicted
-
-    def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
-        tokens = self.seq_len(sid)
-        blocks = self.num_seq_blocks(sid)
-        free_before = self.num_free_blocks
-        CacheCore.free(self, sid)
-        self._seq_meta.pop(sid, None)
-        rec = EvictionRecord(sid=sid, cause=cause, strategy=strategy, tokens=tokens,
-                             blocks=blocks, blocks_freed=self.num_free_blocks - free_before)
-        self._evicted_sequences += 1
-        c = self._seq_evictions.setdefault(cause, [0, 0, 0])
-        c[0] += 1
-        c[1] += tokens
-        c[2] += blocks
-        self.eviction_log.append(rec)
-        if self.on_evict is not None:
-            self.on_evict(sid, cause)
-        return sid
-
-    # ------------------------------------------------------------------
-    # automatic eviction
-
-    @property
-    def auto_evict(self) -> bool:
-        """Whether appends evict other sequences instead of raising OutOfBlocksError."""
-        return isinstance(self, _AutoEvict)
-
-    @auto_evict.setter
-    def auto_evict(self, on: bool) -> None:
-        # The automatic mode is a subclass with Python ``append``/``append_batch``:
-        # switching swaps the instance's class, so the default mode keeps the
-        # core's methods (no wrapper on the hot path) and no bound method is
-        # stored on the instance (no reference cycle keeping the pool alive).
-        on = bool(on)
-        if on == self.auto_evict:
-            return
-        if on:
-            self.__class__ = _auto_class(type(self))
-        else:
-            self.__class__ = type(self).__mro__[2]  # (_auto class, _AutoEvict, base, ...)
-
-    def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
-        """Evict by the strategy (never `exclude`) until `retry()` stops
-        raising OutOfBlocksError; return the evicted ids."""
-        deficit = err.needed - err.available
-        if self._releasable_blocks(exclude) < deficit:
-            raise err
-        evicted = []
-        while True:
-            sid = self.select_eviction_target(exclude)
-            if sid is None:
-                raise err
-            evicted.append(self._evict(sid, CAUSE_OUT_OF_BLOCKS, str(self.eviction_strategy)))
-            try:
-                retry()
-            except OutOfBlocksError as e:
-                err = e
-                continue
-            return tuple(evicted)
-
-    def _releasable_blocks(self, exclude: set) -> int:
-        """Blocks that evicting every sequence outside `exclude` could give
-        back: those held only by such sequences, plus those shared only with
-        `exclude` (evictions make them private to the call, which can save a
-        copy or let its own StreamingLLM trim free them)."""
-        held = collections.Counter()
-        mine = collections.Counter()
-        for sid in self.sequence_ids():
-            (mine if sid in exclude else held).update(self.block_table(sid).tolist())
-        return sum(1 for b, c in held.items() if c + mine.get(b, 0) == self._ref_count(b))
+        return self._evictor.evict_to_threshold(utilization, exclude)
 
     # ------------------------------------------------------------------
     # statistics
 
     def stats(self) -> CacheStats:
         """A CacheStats snapshot (counts, bytes, fragmentation, activity)."""
-        used = self.num_blocks - self.num_free_blocks
-        tokens = slots = 0
-        for sid in self.sequence_ids():
-            tokens += self.seq_len(sid)
-            slots += self.num_seq_blocks(sid) * self.block_size
-        bpb = self.bytes_per_block
-        seq_tokens = sum(c[1] for c in self._seq_evictions.values())
-        seq_blocks = sum(c[2] for c in self._seq_evictions.values())
-        user_freed = self.seqs_freed - self._evicted_sequences
-        return CacheStats(
-            blocks_total=self.num_blocks,
-            blocks_free=self.num_free_blocks,
-            blocks_used=used,
-            peak_blocks_used=self.peak_used,
-            utilization=used / self.num_blocks,
-            tokens_held=tokens,
-            token_slots_allocated=slots,
-            internal_fragmentation=1.0 - tokens / slots if slots else 0.0,
-            bytes_per_block=bpb,
-            bytes_total=bpb * self.num_blocks,
-            bytes_used=bpb * used,
-            sequences_active=self.seqs_added - user_freed - self._evicted_sequences,
-            sequences_added=self.seqs_added,
-            sequences_freed=user_freed,
-            blocks_allocated=self.blocks_allocated,
-            blocks_freed=self.blocks_freed,
-            cow_copies=self.cow_copies,
-            forks=self.forks,
-            prefix_hits=0,
-            prefix_misses=0,
-            evicted_tokens=self.evicted_tokens + seq_tokens,
-            evicted_blocks=self.evicted_blocks + seq_blocks,
-            evicted_sequences=self._evicted_sequences,
-            evictions_by_cause=self._by_cause(),
-        )
-
-    def _by_cause(self) -> dict:
-        out = {}
-
-        def put(cause, unit, n):
-            if n:
-                out[f"{cause}.{unit}"] = int(n)
-
-        put(CAUSE_STREAMING, "tokens", self.evicted_tokens - self._one_shot_tokens)
-        put(CAUSE_STREAMING, "blocks", self.evicted_blocks - self._one_shot_blocks)
-        put(CAUSE_ONE_SHOT, "tokens", self._one_shot_tokens)
-        put(CAUSE_ONE_SHOT, "blocks", self._one_shot_blocks)
-        for cause, (nseq, ntok, nblk) in self._seq_evictions.items():
-            put(cause, "sequences", nseq)
-            put(cause, "tokens", ntok)
-            put(cause, "blocks", nblk)
-        return out
+        return collect(self._core, self._evictor)
 
     def __repr__(self) -> str:
-        used = self.num_blocks - self.num_free_blocks
+        core = self._core
         extra = ""
-        if self.eviction is not None:
-            extra += f", eviction=StreamingLLM({self.eviction.sink_tokens}, {self.eviction.window_tokens})"
+        if self.streaming is not None:
+            extra += (f", streaming=StreamingLLM({self.streaming.sink_tokens}, "
+                      f"{self.streaming.window_tokens})")
         if self.rope is not None:
             extra += f", rope=RoPE(theta={self.rope.theta})"
         if self.auto_evict:
             extra += f", auto_evict={self.eviction_strategy.value!r}"
         return (
-            f"PagedKVCache(blocks={used}/{self.num_blocks} used, block_size={self.block_size}, "
-            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, layers={self.num_layers}, "
-            f"dtype={self.dtype.name}, sequences={len(self.sequence_ids())}{extra})"
+            f"PagedKVCache(blocks={core.num_blocks - core.num_free_blocks}/{core.num_blocks} used, "
+            f"block_size={core.block_size}, kv_heads={core.num_kv_heads}, "
+            f"head_dim={core.head_dim}, layers={core.num_layers}, dtype={core.dtype.name}, "
+            f"sequences={len(core.sequence_ids())}{extra})"
         )
 
     __str__ = __repr__
-
-
-class _AutoEvict:
-    """Mixin of the automatic-eviction mode (see PagedKVCache, "Automatic eviction")."""
-
-    def append(self, sid, k, v, layer=0):
-        """Append as PagedKVCache.append; when the pool is short, evict other
-        sequences by the strategy first.  Returns the evicted ids (a tuple)."""
-        try:
-            super().append(sid, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, _id_set((sid,)), lambda: super(_AutoEvict, self).append(sid, k, v, layer))
-
-    def append_batch(self, sids, k, v, layer=0):
-        """Append as PagedKVCache.append_batch; when the pool is short, evict
-        sequences outside `sids` by the strategy first.  Returns the evicted ids."""
-        try:
-            super().append_batch(sids, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, _id_set(sids),
-                               lambda: super(_AutoEvict, self).append_batch(sids, k, v, layer))
-
-
-_AUTO_CLASSES = {}
-
-
-def _auto_class(base: type) -> type:
-    cls = _AUTO_CLASSES.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_AutoEvict, base),
-                   {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                    "__doc__": base.__doc__})
-        _AUTO_CLASSES[base] = cls
-    return cls
-
-
-def _id_set(ids) -> set:
-    return {int(s) for s in ids}
-
-
-def _priority(p) -> float:
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"priority must be a number, got {type(p).__name__}")
-    if not math.isfinite(p):
-        raise ValueError(f"priority must be finite, got {p}")
-    return p
-
-
-def _utilization(name, u) -> float:
-    if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(u).__name__}")
-    u = float(u)
-    if not 0.0 <= u <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {u}")
-    return u

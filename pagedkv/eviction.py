@@ -1,10 +1,12 @@
-"""Sequence-level eviction strategies for a PagedKVCache whose pool runs low.
+"""Whole-sequence eviction for a PagedKVCache whose pool runs low.
 
-StreamingLLM (``pagedkv.streaming``) evicts *tokens* inside one sequence; the
-strategies here evict *whole sequences* when the pool as a whole is short of
-blocks.  The policy is pure Python and runs only when something must be
-evicted: the cache gathers one :class:`SequenceInfo` per live sequence and
-:func:`eviction_order` ranks them.
+StreamingLLM (``pagedkv.streaming``) trims *tokens* inside one sequence; this
+module evicts *whole sequences* when the pool as a whole is short of blocks.
+Everything about it lives here: the strategies, :class:`SequenceEvictor`
+(evict, evict to a threshold, the automatic mode, the log and the counters),
+reading each sequence's usage and priority from the core's sequence table.
+The policy is pure Python and runs only when something must be evicted: one
+:class:`SequenceInfo` per live sequence, ranked by :func:`eviction_order`.
 
 Strategies (first evicted first):
 
@@ -21,9 +23,15 @@ practice a tie on the strategy's own key is settled by recency.
 """
 from __future__ import annotations
 
+import collections
 import enum
+import math
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from pagedkv._core import OutOfBlocksError
 
 
 class EvictionStrategy(str, enum.Enum):
@@ -120,3 +128,184 @@ class EvictionRecord:
     tokens: int
     blocks: int
     blocks_freed: int
+
+
+OnEvict = Callable[[int, str], None]
+
+
+class SequenceEvictor:
+    """Whole-sequence eviction over a cache core (``pagedkv._core.CacheCore``).
+
+    Holds the strategy, the default threshold, the ``on_evict`` callback, the
+    log of recent evictions and the per-cause counters; reads usage, size and
+    priority of the live sequences from the core.  PagedKVCache exposes it as
+    its eviction methods; its ``append`` / ``append_batch`` are the cache's
+    in automatic mode.  It holds no reference to the PagedKVCache, so binding
+    its methods on the cache makes no reference cycle.
+    """
+
+    def __init__(self, core, strategy: Union[str, EvictionStrategy] = EvictionStrategy.LRU,
+                 threshold: float = 0.95, on_evict: Optional[OnEvict] = None):
+        self._core = core
+        self.strategy = strategy
+        self.threshold = threshold
+        self.on_evict = on_evict
+        #: the latest whole-sequence evictions, oldest first (at most 1024 kept)
+        self.log: "collections.deque[EvictionRecord]" = collections.deque(maxlen=1024)
+        # cause -> [sequences, tokens, blocks]
+        self._counts: Dict[str, List[int]] = {}
+
+    # settings, validated
+    @property
+    def strategy(self) -> EvictionStrategy:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, value: Union[str, EvictionStrategy]) -> None:
+        self._strategy = EvictionStrategy.parse(value)
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold = check_utilization("eviction_threshold", value)
+
+    @property
+    def on_evict(self) -> Optional[OnEvict]:
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Optional[OnEvict]) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError(f"on_evict must be callable, got {type(fn).__name__}")
+        self._on_evict = fn
+
+    # ranking
+    def infos(self, exclude: Iterable[int] = ()) -> List[SequenceInfo]:
+        """One SequenceInfo per live sequence outside `exclude`."""
+        ex = id_set(exclude)
+        return [SequenceInfo(*row) for row in self._core.sequence_infos() if row[0] not in ex]
+
+    def order(self, exclude: Iterable[int] = ()) -> List[int]:
+        return eviction_order(self.strategy, self.infos(exclude))
+
+    def select(self, exclude: Iterable[int] = ()) -> Optional[int]:
+        return select_victim(self.strategy, self.infos(exclude))
+
+    # evicting
+    def evict(self, sid: Optional[int] = None) -> Optional[int]:
+        """See PagedKVCache.evict."""
+        if sid is None:
+            sid = self.select()
+            if sid is None:
+                return None
+            return self._evict(sid, CAUSE_STRATEGY, str(self.strategy))
+        self._core.seq_len(sid)  # KeyError / TypeError for a bad id, before anything changes
+        return self._evict(int(sid), CAUSE_MANUAL, None)
+
+    def evict_to_threshold(self, utilization: Optional[float] = None,
+                           exclude: Iterable[int] = ()) -> List[int]:
+        """See PagedKVCache.evict_to_threshold."""
+        target = self.threshold if utilization is None else check_utilization(
+            "utilization", utilization)
+        core = self._core
+        ex = id_set(exclude)
+        evicted = []
+        while core.num_blocks - core.num_free_blocks > target * core.num_blocks:
+            sid = self.select(ex)
+            if sid is None:
+                break
+            evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.strategy)))
+        return evicted
+
+    def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
+        tokens, blocks, freed = self._core.evict_sequence(sid)
+        c = self._counts.setdefault(cause, [0, 0, 0])
+        c[0] += 1
+        c[1] += tokens
+        c[2] += blocks
+        self.log.append(EvictionRecord(sid=sid, cause=cause, strategy=strategy, tokens=tokens,
+                                       blocks=blocks, blocks_freed=freed))
+        if self._on_evict is not None:
+            self._on_evict(sid, cause)
+        return sid
+
+    def counts(self) -> Dict[str, Tuple[int, int, int]]:
+        """cause -> (sequences, tokens, blocks) evicted so far."""
+        return {cause: tuple(c) for cause, c in self._counts.items()}
+
+    # automatic mode
+    def append(self, sid, k, v, layer=0) -> Tuple[int, ...]:
+        """PagedKVCache.append that, when the pool is short, first evicts other
+        sequences by the strategy.  Returns the evicted ids."""
+        core = self._core
+        try:
+            core.append(sid, k, v, layer)
+            return ()
+        except OutOfBlocksError as e:
+            err = e
+        return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
+
+    def append_batch(self, sids, k, v, layer=0) -> Tuple[int, ...]:
+        """PagedKVCache.append_batch that, when the pool is short, first evicts
+        sequences outside `sids` by the strategy.  Returns the evicted ids."""
+        core = self._core
+        try:
+            core.append_batch(sids, k, v, layer)
+            return ()
+        except OutOfBlocksError as e:
+            err = e
+        return self._make_room(err, id_set(sids), lambda: core.append_batch(sids, k, v, layer))
+
+    def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
+        """Evict by the strategy (never `exclude`) until `retry()` stops
+        raising OutOfBlocksError; return the evicted ids."""
+        if self._releasable_blocks(exclude) < err.needed - err.available:
+            raise err
+        evicted = []
+        while True:
+            sid = self.select(exclude)
+            if sid is None:
+                raise err
+            evicted.append(self._evict(sid, CAUSE_OUT_OF_BLOCKS, str(self.strategy)))
+            try:
+                retry()
+            except OutOfBlocksError as e:
+                err = e
+                continue
+            return tuple(evicted)
+
+    def _releasable_blocks(self, exclude: set) -> int:
+        """Blocks that evicting every sequence outside `exclude` could give
+        back: those held only by such sequences, plus those shared only with
+        `exclude` (evictions make them private to the call, which can save a
+        copy or let its own StreamingLLM trim free them)."""
+        core = self._core
+        held: collections.Counter = collections.Counter()
+        mine: collections.Counter = collections.Counter()
+        for sid in core.sequence_ids():
+            (mine if sid in exclude else held).update(core.block_table(sid).tolist())
+        return sum(1 for b, c in held.items() if c + mine.get(b, 0) == core.ref_count(b))
+
+
+def id_set(ids) -> set:
+    return {int(s) for s in ids}
+
+
+def check_priority(p) -> float:
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"priority must be a number, got {type(p).__name__}")
+    if not math.isfinite(p):
+        raise ValueError(f"priority must be finite, got {p}")
+    return float(p)
+
+
+def check_utilization(name, u) -> float:
+    if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(u).__name__}")
+    u = float(u)
+    if not 0.0 <= u <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {u}")
+    return u

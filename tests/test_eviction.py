@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv._core import CacheCore
 from pagedkv.eviction import EvictionStrategy, SequenceInfo, eviction_order, select_victim
 from reference import assert_unchanged, snapshot
 
@@ -44,7 +43,7 @@ def drain(cache):
         before = cache.num_free_blocks
         # the blocks only the victim holds (forks share theirs)
         blocks = None if expected is None else sum(
-            cache._ref_count(int(b)) == 1 for b in cache.block_table(expected))
+            cache._core.ref_count(int(b)) == 1 for b in cache.block_table(expected))
         sid = cache.evict()
         assert sid == expected
         if sid is None:
@@ -83,14 +82,14 @@ def test_lfu_order_counts_appends_and_attends_with_lru_tie_break():
     use(cache, b, appends=1, attends=1)   # 2 uses, used before c
     use(cache, c, appends=2)              # 2 uses
     use(cache, d, appends=7)              # 7 uses
-    assert [cache.usage(s)[1] for s in (a, b, c, d)] == [5, 2, 2, 7]
+    assert [cache.sequence_info(s).use_count for s in (a, b, c, d)] == [5, 2, 2, 7]
     assert cache.eviction_order() == [b, c, a, d]
     use(cache, b, attends=1)  # b: 3 uses now
     assert cache.eviction_order() == [c, b, a, d]
     # batch calls count once per sequence
     cache.append_batch([c, d], tok(2), tok(2))
     cache.attend_batch([c, d], np.ones((2, HKV, D), np.float32))
-    assert cache.usage(c)[1] == 4
+    assert cache.sequence_info(c).use_count == 4
     assert drain(cache) == [b, c, a, d]
 
 
@@ -258,7 +257,7 @@ def test_evict_to_threshold():
 
 
 def test_stats_split_streaming_and_sequence_causes():
-    cache = make(eviction=pagedkv.StreamingLLM(2, 4))
+    cache = make(streaming=pagedkv.StreamingLLM(2, 4))
     a, b = cache.add_sequence(), cache.add_sequence()
     for _ in range(10):
         cache.append(a, tok(1), tok(1))   # 3 tokens evicted, no block wholly
@@ -287,8 +286,8 @@ def test_callback_exception_propagates_after_the_eviction_is_recorded():
 
 def test_default_mode_keeps_core_append_and_evicts_nothing():
     cache = make(num_blocks=4)
-    assert type(cache).append is CacheCore.append          # no Python wrapper on the hot path
-    assert type(cache).append_batch is CacheCore.append_batch
+    assert cache.append == cache._core.append              # no Python wrapper on the hot path
+    assert cache.append_batch == cache._core.append_batch
     assert not cache.auto_evict
     a, b = cache.add_sequence(), cache.add_sequence()
     assert cache.append(a, tok(16), tok(16)) is None
@@ -371,7 +370,7 @@ def test_auto_evict_a_fork_parent_releases_the_shared_block():
 def test_auto_evict_with_streaming_and_layers(rng):
     """Automatic mode composes with StreamingLLM and multi-layer steps."""
     cache = make(num_blocks=8, auto_evict=True, num_layers=2,
-                 eviction=pagedkv.StreamingLLM(1, 6), rope=pagedkv.RoPE())
+                 streaming=pagedkv.StreamingLLM(1, 6), rope=pagedkv.RoPE())
     a, b = cache.add_sequence(), cache.add_sequence()
     for layer in range(2):
         cache.append(a, tok(20), tok(20), layer=layer)   # 5 blocks
@@ -401,7 +400,7 @@ def test_auto_evict_toggle():
     cache.append(a, tok(16), tok(16))
     assert cache.append(b, tok(1), tok(1)) == (a,)
     cache.auto_evict = False
-    assert type(cache) is pagedkv.PagedKVCache and type(cache).append is CacheCore.append
+    assert type(cache) is pagedkv.PagedKVCache and cache.append == cache._core.append
     assert cache.append(b, tok(1), tok(1)) is None
 
     class MyCache(pagedkv.PagedKVCache):

@@ -98,7 +98,7 @@ class PaperLoop:
 
 def held_blocks_all_live(cache, sid):
     """Every block in the table holds at least one held slot (no dead block kept)."""
-    st = cache._debug_state(sid)
+    st = cache._core.debug_state(sid)
     bs = cache.block_size
     slots = list(range(st["a0"], st["a1"])) + list(range(st["b0"], st["b1"]))
     return {s // bs for s in slots} == set(range(len(st["table"])))
@@ -106,7 +106,7 @@ def held_blocks_all_live(cache, sid):
 
 def physical_addresses(cache, sid):
     """Stream position -> (physical block, offset) of every held token."""
-    st = cache._debug_state(sid)
+    st = cache._core.debug_state(sid)
     bs, table = cache.block_size, st["table"]
     slots = list(range(st["a0"], st["a1"])) + list(range(st["b0"], st["b1"]))
     return {int(p): (table[s // bs], s % bs) for p, s in zip(cache.kept_positions(sid), slots)}
@@ -116,7 +116,7 @@ def check_step(cache, sid, model, layers, rng, n, hq, rope, dtype, bound_n=None)
     """One model step on every layer: append, attend, compare; then invariants."""
     hkv, d = cache.num_kv_heads, cache.head_dim
     addr_before = physical_addresses(cache, sid)
-    cow_before = cache.cow_copies
+    cow_before = cache.stats().cow_copies
     for layer in range(layers):
         k = rng.standard_normal((n, hkv, d)).astype(dtype)
         v = rng.standard_normal((n, hkv, d)).astype(dtype)
@@ -133,7 +133,7 @@ def check_step(cache, sid, model, layers, rng, n, hq, rope, dtype, bound_n=None)
         k, v = cache.gather(sid, layer=layer)
         np.testing.assert_array_equal(k, model.k[layer])
         np.testing.assert_array_equal(v, model.v[layer])
-    ev = cache.eviction
+    ev = cache.streaming
     nb = cache.num_seq_blocks(sid)
     assert nb <= ev.max_blocks(cache.block_size, bound_n or n)
     assert held_blocks_all_live(cache, sid)
@@ -141,7 +141,7 @@ def check_step(cache, sid, model, layers, rng, n, hq, rope, dtype, bound_n=None)
     # was copied on write)
     addr = physical_addresses(cache, sid)
     moved = [p for p, a in addr_before.items() if p in addr and addr[p] != a]
-    assert not moved or cache.cow_copies > cow_before, moved
+    assert not moved or cache.stats().cow_copies > cow_before, moved
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +181,7 @@ def test_paper_loop(rng, sink, window, block_size, use_rope, multi):
     rope = pagedkv.RoPE(theta=10000.0) if use_rope else None
     cache = pagedkv.PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv,
                                  head_dim=d, num_layers=layers, dtype="float64",
-                                 eviction=policy, rope=rope)
+                                 streaming=policy, rope=rope)
     sid = cache.add_sequence()
     model = PaperLoop(sink, window, layers, hkv, d, dtype)
     steady = 0
@@ -211,7 +211,7 @@ def test_window_zero(rng, sink, block_size, multi):
     policy = pagedkv.StreamingLLM(sink, 0)
     cache = pagedkv.PagedKVCache(num_blocks=64, block_size=block_size, num_kv_heads=hkv,
                                  head_dim=d, num_layers=layers, dtype="float64",
-                                 eviction=policy, rope=rope)
+                                 streaming=policy, rope=rope)
     sid = cache.add_sequence()
     model = PaperLoop(sink, 0, layers, hkv, d, np.float64)
     steps = [int(rng.integers(1, 3 * block_size)) if multi else 1 for _ in range(30)]
@@ -234,7 +234,7 @@ def test_paper_loop_float32(rng, block_size, use_rope):
     rope = pagedkv.RoPE() if use_rope else None
     cache = pagedkv.PagedKVCache(num_blocks=64, block_size=block_size, num_kv_heads=hkv,
                                  head_dim=d, num_layers=layers, dtype="float32",
-                                 eviction=policy, rope=rope)
+                                 streaming=policy, rope=rope)
     sid = cache.add_sequence()
     model = PaperLoop(4, 7, layers, hkv, d, dtype)
     for n in [9] + [1] * 30 + [5, 3, 17, 1, 1]:
@@ -246,7 +246,7 @@ def test_threaded_split_over_segments(rng):
     S, R, bs, hkv, hq, d = 3, 600, 4, 2, 8, 32
     rope = pagedkv.RoPE()
     cache = pagedkv.PagedKVCache(num_blocks=256, block_size=bs, num_kv_heads=hkv, head_dim=d,
-                                 dtype="float32", eviction=pagedkv.StreamingLLM(S, R), rope=rope)
+                                 dtype="float32", streaming=pagedkv.StreamingLLM(S, R), rope=rope)
     sid = cache.add_sequence()
     model = PaperLoop(S, R, 1, hkv, d, np.float32)
     for n in [700, 50, 1, 1, 9]:
@@ -254,7 +254,7 @@ def test_threaded_split_over_segments(rng):
         v = rng.standard_normal((n, hkv, d)).astype(np.float32)
         cache.append(sid, k, v)
         model.append(0, k, v)
-    st = cache._debug_state(sid)
+    st = cache._core.debug_state(sid)
     assert st["a1"] > st["a0"] and st["b1"] > st["b0"] and st["a1"] < st["b0"]
     pagedkv.set_num_threads(2)
     for nq in [1, 9]:
@@ -272,7 +272,7 @@ def test_partial_rotary_dim(rng):
     rope = pagedkv.RoPE(theta=500.0, rotary_dim=4)
     cache = pagedkv.PagedKVCache(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=8,
                                  num_layers=1, dtype="float64",
-                                 eviction=pagedkv.StreamingLLM(2, 5), rope=rope)
+                                 streaming=pagedkv.StreamingLLM(2, 5), rope=rope)
     sid = cache.add_sequence()
     model = PaperLoop(2, 5, 1, 1, 8, np.float64)
     for n in [3, 1, 1, 4, 1, 1, 1, 6, 1, 2]:
@@ -284,7 +284,7 @@ def test_paper_section_3_2_example(rng):
     S, R, d = 4, 3, 16
     rope = pagedkv.RoPE()
     cache = pagedkv.PagedKVCache(num_blocks=16, block_size=2, num_kv_heads=1, head_dim=d,
-                                 dtype="float64", eviction=pagedkv.StreamingLLM(S, R), rope=rope)
+                                 dtype="float64", streaming=pagedkv.StreamingLLM(S, R), rope=rope)
     sid = cache.add_sequence()
     k = 3.0 * rng.standard_normal((10, 1, d))
     v = rng.standard_normal((10, 1, d))
@@ -310,7 +310,7 @@ def test_paper_section_3_2_example(rng):
 def test_design_example_kept_positions():
     """S=2, R=4 after ten single-token appends: [0, 1, 5, 6, 7, 8, 9]."""
     cache = pagedkv.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
-                                 eviction=pagedkv.StreamingLLM(sink_tokens=2, window_tokens=4))
+                                 streaming=pagedkv.StreamingLLM(sink_tokens=2, window_tokens=4))
     sid = cache.add_sequence()
     x = np.zeros((1, 1, 2), np.float32)
     for _ in range(10):
@@ -328,7 +328,7 @@ def test_streams_forever_within_max_blocks_per_seq(rng):
     policy = pagedkv.StreamingLLM(S, R)
     bound = policy.max_blocks(bs, 1)
     cache = pagedkv.PagedKVCache(num_blocks=bound, block_size=bs, num_kv_heads=1, head_dim=4,
-                                 max_blocks_per_seq=bound, eviction=policy, rope=pagedkv.RoPE())
+                                 max_blocks_per_seq=bound, streaming=policy, rope=pagedkv.RoPE())
     sid = cache.add_sequence()
     k = rng.standard_normal((1, 1, 4)).astype(np.float32)
     q = rng.standard_normal((1, 2, 4)).astype(np.float32)
@@ -351,7 +351,7 @@ def test_batch_decode_streams_each_sequence(rng):
     rope = pagedkv.RoPE()
     cache = pagedkv.PagedKVCache(num_blocks=40, block_size=bs, num_kv_heads=hkv, head_dim=d,
                                  num_layers=layers, dtype="float64",
-                                 eviction=pagedkv.StreamingLLM(S, R), rope=rope)
+                                 streaming=pagedkv.StreamingLLM(S, R), rope=rope)
     sids = [cache.add_sequence() for _ in range(3)]
     models = [PaperLoop(S, R, layers, hkv, d, np.float64) for _ in sids]
     # different prompt lengths so the sequences are out of phase
@@ -384,7 +384,7 @@ def test_fork_truncate_and_one_shot_trims_random_ops(rng):
     rope = pagedkv.RoPE()
     cache = pagedkv.PagedKVCache(num_blocks=200, block_size=bs, num_kv_heads=hkv, head_dim=d,
                                  num_layers=layers, dtype="float64",
-                                 eviction=pagedkv.StreamingLLM(S, R), rope=rope)
+                                 streaming=pagedkv.StreamingLLM(S, R), rope=rope)
     models = {cache.add_sequence(): PaperLoop(S, R, layers, hkv, d, np.float64)}
     for _ in range(300):
         sid = list(models)[int(rng.integers(len(models)))]
@@ -430,7 +430,7 @@ def test_fork_truncate_and_one_shot_trims_random_ops(rng):
 def _filled(rng, n=50, layers=2, bs=4, eviction=None, num_blocks=64):
     cache = pagedkv.PagedKVCache(num_blocks=num_blocks, block_size=bs, num_kv_heads=1,
                                  head_dim=8, num_layers=layers, dtype="float64",
-                                 eviction=eviction, rope=pagedkv.RoPE())
+                                 streaming=eviction, rope=pagedkv.RoPE())
     sid = cache.add_sequence()
     model = PaperLoop(0, 0, layers, 1, 8, np.float64)
     for layer in range(layers):
@@ -503,7 +503,7 @@ def test_streaming_append_out_of_blocks_is_atomic(rng):
     """A streaming append that cannot get blocks evicts nothing and changes nothing."""
     bs = 4
     cache = pagedkv.PagedKVCache(num_blocks=7, block_size=bs, num_kv_heads=1, head_dim=4,
-                                 eviction=pagedkv.StreamingLLM(1, 3))
+                                 streaming=pagedkv.StreamingLLM(1, 3))
     sid = cache.add_sequence()
     other = cache.add_sequence()
     x = rng.standard_normal((1, 1, 4)).astype(np.float32)
@@ -532,7 +532,7 @@ def test_streaming_llm_validation():
         pagedkv.StreamingLLM(True, 4)
     with pytest.raises(TypeError):
         pagedkv.PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2,
-                             eviction=(4, 8))
+                             streaming=(4, 8))
     p = pagedkv.StreamingLLM(sink_tokens=4, window_tokens=1020)
     assert p.max_blocks(16, 1) == 1 + 64 + 1
     assert p.max_blocks(16, 20) == 1 + 65 + 1

@@ -1,13 +1,16 @@
-/* pagedkv/attention.h -- paged attention entry points.
+/* pagedkv/attention.h -- paged attention: instantiation and dispatch.
  *
- * attn_impl.h is instantiated here for f32 and f64 and for each instruction
- * set: scalar always; AVX2+FMA and AVX-512 on x86-64 through per-function
- * target pragmas, so the build needs no -m flags.  pkv_decode / pkv_prefill
- * dispatch on (dtype, simd level) chosen by the caller at run time.
+ * The kernels (attn_math.h + attn_impl.h) are written once over a SIMD
+ * vocabulary mapped here per instruction set: scalar always; AVX2+FMA and
+ * AVX-512 on x86-64 through per-function target pragmas, so the build needs
+ * no -m flags.  attn_instances.h instantiates each (compute type, ISA) for
+ * the storage types it reads; pkv_kernels_for() looks them up in a table
+ * indexed by [storage dtype][compute dtype][ISA] at run time.
  */
 #pragma once
 #include <math.h>
 #include "layout.h"
+#include "types.h"
 #include "simd.h"
 
 #ifndef restrict
@@ -26,7 +29,8 @@ typedef struct {
 } pkv_rope;
 
 typedef struct {
-    const void *k, *v;            /* one layer: [num_blocks][hkv][bs][d] */
+    const void *k, *v;            /* K / V plane of one layer in block 0 (layout: types.h) */
+    size_t block_stride;          /* bytes from one block to the next */
     int bs, hkv, hq, d;
     int64_t nseq;                 /* decode: batch; prefill: 1 */
     const int32_t *const *tables; /* per sequence */
@@ -66,8 +70,11 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
            PKV_ALIGN_UP((size_t)bs * d * itemsize) + PKV_ALIGN;
 }
 
-/* Each instruction set maps the vocabulary of attn_impl.h once per dtype;
- * attn_vocab_end.h undefines it again. */
+#define PKV_CAT_(a, b) a##b
+#define PKV_CAT(a, b) PKV_CAT_(a, b)
+
+/* Each instruction set maps the vocabulary of attn_math.h once per compute
+ * type; attn_vocab_end.h undefines it again. */
 
 /* ---- scalar ------------------------------------------------------------- */
 #define VEC T
@@ -87,15 +94,15 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #define VSCALE2K(p, k) ((T)ldexp((double)(p), (int)(k)))
 #define T float
 #define PKV_F64 0
-#define FN(name) name##_f32_scalar
-#include "attn_impl.h"
+#define PKV_TAG _f32_scalar
+#include "attn_instances.h"
 #undef T
 #undef PKV_F64
-#undef FN
+#undef PKV_TAG
 #define T double
 #define PKV_F64 1
-#define FN(name) name##_f64_scalar
-#include "attn_impl.h"
+#define PKV_TAG _f64_scalar
+#include "attn_instances.h"
 #include "attn_vocab_end.h"
 
 #if PKV_X86
@@ -150,8 +157,8 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
 #define VSCALE2K(p, k) pkv_scale2k256_ps(p, k)
 #define T float
 #define PKV_F64 0
-#define FN(name) name##_f32_avx2
-#include "attn_impl.h"
+#define PKV_TAG _f32_avx2
+#include "attn_instances.h"
 #include "attn_vocab_end.h"
 #define VEC __m256d
 #define W 4
@@ -170,8 +177,8 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
 #define VSCALE2K(p, k) pkv_scale2k256_pd(p, k)
 #define T double
 #define PKV_F64 1
-#define FN(name) name##_f64_avx2
-#include "attn_impl.h"
+#define PKV_TAG _f64_avx2
+#include "attn_instances.h"
 #include "attn_vocab_end.h"
 PKV_TARGET_END
 
@@ -194,8 +201,8 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 #define VSCALE2K(p, k) _mm512_scalef_ps(p, k)
 #define T float
 #define PKV_F64 0
-#define FN(name) name##_f32_avx512
-#include "attn_impl.h"
+#define PKV_TAG _f32_avx512
+#include "attn_instances.h"
 #include "attn_vocab_end.h"
 #define VEC __m512d
 #define W 8
@@ -214,34 +221,39 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 #define VSCALE2K(p, k) _mm512_scalef_pd(p, k)
 #define T double
 #define PKV_F64 1
-#define FN(name) name##_f64_avx512
-#include "attn_impl.h"
+#define PKV_TAG _f64_avx512
+#include "attn_instances.h"
 #include "attn_vocab_end.h"
 PKV_TARGET_END
 #endif /* PKV_X86 */
 
 typedef void (*pkv_attn_fn)(const pkv_attn_args *);
 
-/* dtype: 0 = f32, 1 = f64; simd: PKV_SIMD_* (must be supported). */
-static inline pkv_attn_fn pkv_pick(int is_prefill, int dtype, int simd) {
-#if PKV_X86
-    if (simd == PKV_SIMD_AVX512)
-        return is_prefill ? (dtype ? prefill_f64_avx512 : prefill_f32_avx512)
-                          : (dtype ? decode_f64_avx512 : decode_f32_avx512);
-    if (simd == PKV_SIMD_AVX2)
-        return is_prefill ? (dtype ? prefill_f64_avx2 : prefill_f32_avx2)
-                          : (dtype ? decode_f64_avx2 : decode_f32_avx2);
-#endif
-    (void)simd;
-    return is_prefill ? (dtype ? prefill_f64_scalar : prefill_f32_scalar)
-                      : (dtype ? decode_f64_scalar : decode_f32_scalar);
-}
+typedef struct {
+    pkv_attn_fn decode;  /* one query per sequence at its newest rank */
+    pkv_attn_fn prefill; /* the newest n ranks of one sequence, causal */
+} pkv_kernels;
 
-static inline void pkv_decode(const pkv_attn_args *a, int dtype, int simd) {
-    pkv_pick(0, dtype, simd)(a);
-}
-static inline void pkv_prefill(const pkv_attn_args *a, int dtype, int simd) {
-    pkv_pick(1, dtype, simd)(a);
+#define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
+#if PKV_X86
+#define PKV_KERNELS_X86(st, ct) PKV_KERNELS(st, ct, avx2), PKV_KERNELS(st, ct, avx512)
+#else
+#define PKV_KERNELS_X86(st, ct) {NULL, NULL}, {NULL, NULL}
+#endif
+
+/* [storage][compute][ISA]; {NULL, NULL} where the pair is not built */
+static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_DTYPES][PKV_NUM_SIMD] = {
+    [PKV_F32][PKV_F32] = {PKV_KERNELS(f32, f32, scalar), PKV_KERNELS_X86(f32, f32)},
+    [PKV_F64][PKV_F64] = {PKV_KERNELS(f64, f64, scalar), PKV_KERNELS_X86(f64, f64)},
+};
+
+/* The kernels for (storage, compute, simd), or NULL when not built. */
+static inline const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd) {
+    if (storage < 0 || storage >= PKV_NUM_DTYPES || compute < 0 || compute >= PKV_NUM_DTYPES ||
+        simd < 0 || simd >= PKV_NUM_SIMD)
+        return NULL;
+    const pkv_kernels *k = &pkv_kernel_table[storage][compute][simd];
+    return k->decode ? k : NULL;
 }
 
 /* Read n elements of p (dtype 0 = f32, 1 = f64) split over nthreads threads;

@@ -1,4 +1,4 @@
-/* pagedkv/attn_vocab_end.h -- undefine one instantiation's SIMD vocabulary
+/* pagedkv/attn_vocab_end.h -- undefine one (compute type, ISA) vocabulary
  * (see attention.h).  No include guard on purpose. */
 #undef VEC
 #undef W
@@ -17,4 +17,4 @@
 #undef VSCALE2K
 #undef T
 #undef PKV_F64
-#undef FN
+#undef PKV_TAG

@@ -10,7 +10,7 @@
 #pragma once
 #include <stdint.h>
 
-enum { PKV_SIMD_SCALAR = 0, PKV_SIMD_AVX2 = 1, PKV_SIMD_AVX512 = 2 };
+enum { PKV_SIMD_SCALAR = 0, PKV_SIMD_AVX2 = 1, PKV_SIMD_AVX512 = 2, PKV_NUM_SIMD = 3 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define PKV_X86 1

@@ -1,0 +1,95 @@
+/* pagedkv/types.h -- the shared C types: element types, storage descriptor,
+ * pool geometry, a sequence's held segments, threads.
+ *
+ * Pool layout: one 64-byte-aligned arena of num_blocks blocks.  A block holds
+ * its tokens' K and V for every layer, "HND" inside each plane:
+ *
+ *   block b:  [layer][K | V][kv head][slot][dim]
+ *             \__ plane: Hkv * bs * D stored values (plus nothing else yet) __/
+ *
+ *   K of (b, layer) = arena + b * block_bytes + (2 * layer) * plane_bytes
+ *   V of (b, layer) = that + plane_bytes
+ *
+ * Nothing here depends on the number of blocks, so the pool can grow or
+ * shrink by moving whole blocks, and one memcpy of block_bytes copies a block
+ * (copy-on-write, compaction).  The attention kernels read one layer's plane
+ * of a block as one contiguous run per K and V.
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int pkv_thread_id(void) { return omp_get_thread_num(); }
+static inline int pkv_max_threads(void) { return omp_get_max_threads(); }
+static inline int pkv_have_openmp(void) { return 1; }
+#else
+static inline int pkv_thread_id(void) { return 0; }
+static inline int pkv_max_threads(void) { return 1; }
+static inline int pkv_have_openmp(void) { return 0; }
+#endif
+
+#define PKV_ALIGN 64
+#define PKV_ALIGN_UP(x) (((size_t)(x) + PKV_ALIGN - 1) & ~(size_t)(PKV_ALIGN - 1))
+
+/* Element types.  Compute (the arrays users pass in and get back) is F32 or
+ * F64; storage (what the pool holds) is any of them.  The kernels are
+ * dispatched on (storage, compute, instruction set): see attention.h. */
+typedef enum {
+    PKV_F32 = 0,
+    PKV_F64 = 1,
+    PKV_NUM_DTYPES = 2
+} pkv_dtype;
+
+/* How one storage type lays out a head vector of d values. */
+typedef struct {
+    pkv_dtype dtype;
+    int itemsize; /* bytes per stored value */
+} pkv_storage;
+
+static inline pkv_storage pkv_storage_of(pkv_dtype t) {
+    pkv_storage s;
+    s.dtype = t;
+    s.itemsize = t == PKV_F64 ? 8 : 4;
+    return s;
+}
+
+/* Geometry of the pool: everything that locates a stored value except the
+ * block count. */
+typedef struct {
+    int num_layers, hkv, bs, d;
+    pkv_storage store;
+    size_t row_bytes;   /* one head vector of one token: d values */
+    size_t head_bytes;  /* one head of one block: bs rows */
+    size_t plane_bytes; /* K (or V) of one layer of one block: hkv heads */
+    size_t block_bytes; /* a whole block, 64-aligned: 2 * num_layers planes */
+} pkv_geom;
+
+static inline pkv_geom pkv_geom_make(int num_layers, int hkv, int bs, int d, pkv_dtype store) {
+    pkv_geom g;
+    g.num_layers = num_layers;
+    g.hkv = hkv;
+    g.bs = bs;
+    g.d = d;
+    g.store = pkv_storage_of(store);
+    g.row_bytes = (size_t)d * g.store.itemsize;
+    g.head_bytes = (size_t)bs * g.row_bytes;
+    g.plane_bytes = (size_t)hkv * g.head_bytes;
+    g.block_bytes = PKV_ALIGN_UP(2 * (size_t)num_layers * g.plane_bytes);
+    return g;
+}
+
+/* Offset of the K plane of `layer` inside a block (V follows at + plane_bytes). */
+static inline size_t pkv_k_offset(const pkv_geom *g, int layer) {
+    return 2 * (size_t)layer * g->plane_bytes;
+}
+
+/* The slots a sequence holds: [a0, a1) then [b0, b1) (appends go to b1).
+ * Held token r (its rank) is slot a0 + r for r < a1 - a0, then the rest
+ * follow from b0.  Without eviction a0 = a1 = b0 = 0. */
+typedef struct {
+    int64_t a0, a1, b0, b1;
+} pkv_segs;
+
+static inline int64_t pkv_held(const pkv_segs *s) { return (s->a1 - s->a0) + (s->b1 - s->b0); }
