@@ -47,18 +47,3 @@ class RoPE:
         inv_freq = self.theta ** (-np.arange(half, dtype=np.float64) * 2.0 / (2 * half))
         ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
         return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
-
-    def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate x [n, H, D] at positions [n] (NumPy; for references and tests)."""
-        x = np.asarray(x)
-        d = x.shape[-1]
-        half = self.dim(d) // 2
-        cos, sin = self.tables(int(np.max(positions)) + 1 if len(positions) else 1, d, np.float64)
-        c = cos[positions][:, None, :]
-        s = sin[positions][:, None, :]
-        out = x.astype(np.float64, copy=True)
-        x0 = x[..., :half].astype(np.float64)
-        x1 = x[..., half:2 * half].astype(np.float64)
-        out[..., :half] = x0 * c - x1 * s
-        out[..., half:2 * half] = x1 * c + x0 * s
-        return out

@@ -32,8 +32,8 @@ FLAGS = _cpu_flags()
 SUPPORTED = ["scalar"]
 if {"avx2", "fma"} <= FLAGS:
     SUPPORTED.append("avx2")
-if "avx512f" in FLAGS:
-    SUPPORTED.append("avx512")
+if {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLAGS:
+    SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
 
 SCRIPT = textwrap.dedent(
     """
