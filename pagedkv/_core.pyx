@@ -205,7 +205,9 @@ cdef class CacheCore:
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
                  dtype="float32", max_seqs=256, max_blocks_per_seq=None,
-                 rope_cos=None, rope_sin=None):
+                 rope_cos=None, rope_sin=None, bint lrf=False):
+        """lrf: the pool hands out its least recently freed blocks first (for
+        caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
             raise RuntimeError("the cache is already initialized")
         nb = _positive_int("num_blocks", num_blocks)
@@ -236,7 +238,7 @@ cdef class CacheCore:
         if pool_bytes + meta_bytes > 2**56:
             raise MemoryError(f"the cache would need {pool_bytes + meta_bytes} bytes")
 
-        self.pool = BlockPool(nb, nl, hkv, bs, d, storage)
+        self.pool = BlockPool(nb, nl, hkv, bs, d, storage, lrf)
         self.seqs = SequenceTable(self.pool, ms, mb)
         self.block_size, self.num_kv_heads, self.head_dim, self.num_layers = bs, hkv, d, nl
         self.max_seqs, self.max_blocks_per_seq = ms, mb

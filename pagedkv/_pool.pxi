@@ -4,9 +4,17 @@
 # Layout of the arena and of one block: include/pagedkv/types.h.
 #
 # The free queue is an intrusive doubly linked list over block ids with one
-# sentinel (index num_blocks), so a block leaves it in O(1) from anywhere
-# (what a prefix cache needs to revive a freed block) and blocks are handed
-# out least recently freed first.  A new pool hands out ids 0, 1, 2, ...
+# sentinel (index num_blocks), ordered by the time each block was freed, so a
+# block leaves it in O(1) from anywhere (what a prefix cache needs to revive a
+# freed block).  Which end hands blocks out is the pool's policy:
+#   lrf=True   least recently freed first: a freed block whose contents may be
+#              reused (prefix caching) stays available as long as possible
+#   lrf=False  most recently freed first (the default): a freed block's
+#              contents are dead, and the warmest block in the CPU caches is
+#              the cheapest to write (measured: appending one [1, 8, 128] f32
+#              token 0.24-0.38 us reusing warm blocks vs 0.86-1.13 us cycling
+#              through a 512 MiB pool, AVX-512 EPYC)
+# Either way a new pool hands out ids 0, 1, 2, ...
 
 
 cdef class BlockPool:
@@ -21,6 +29,7 @@ cdef class BlockPool:
         int32_t *refcount
         int32_t *fq_next          # free queue links; [num_blocks] is the sentinel
         int32_t *fq_prev
+        readonly bint lrf         # hand out least recently freed first (else most recently)
         void *_raw[3]
         # cumulative counters
         readonly int64_t blocks_allocated
@@ -29,7 +38,7 @@ cdef class BlockPool:
         readonly int64_t peak_used
 
     def __init__(self, int64_t num_blocks, int num_layers, int num_kv_heads, int block_size,
-                 int head_dim, int storage):
+                 int head_dim, int storage, bint lrf=False):
         cdef int64_t i
         cdef int32_t sentinel = <int32_t>num_blocks
         self.geom = pkv_geom_make(num_layers, num_kv_heads, block_size, head_dim,
@@ -39,11 +48,12 @@ cdef class BlockPool:
         self.refcount = <int32_t *>_zalloc(4 * num_blocks, &self._raw[0])
         self.fq_next = <int32_t *>_zalloc(4 * (num_blocks + 1), &self._raw[1])
         self.fq_prev = <int32_t *>_zalloc(4 * (num_blocks + 1), &self._raw[2])
-        # every block free, in id order
+        # every block free, so that ids are handed out in order 0, 1, 2, ...
+        self.lrf = lrf
         self.fq_next[sentinel] = sentinel
         self.fq_prev[sentinel] = sentinel
         for i in range(num_blocks):
-            self._push_free(<int32_t>i)
+            self._push_free(<int32_t>(i if lrf else num_blocks - 1 - i))
         self.num_free = num_blocks
 
     def __dealloc__(self):
@@ -72,8 +82,8 @@ cdef class BlockPool:
     # blocks
 
     cdef inline int32_t take(self) noexcept:
-        """The least recently freed block, with ref count 1 (num_free must be > 0)."""
-        cdef int32_t b = self.fq_next[self.num_blocks]
+        """A free block (by the lrf policy), with ref count 1; num_free must be > 0."""
+        cdef int32_t b = self.fq_next[self.num_blocks] if self.lrf else self.fq_prev[self.num_blocks]
         self._unlink(b)
         self.num_free -= 1
         self.refcount[b] = 1
@@ -124,8 +134,9 @@ cdef class BlockPool:
     def free_blocks(self):
         """The free blocks in the order they will be handed out."""
         out = []
-        cdef int32_t b = self.fq_next[self.num_blocks]
+        cdef int32_t *step = self.fq_next if self.lrf else self.fq_prev
+        cdef int32_t b = step[self.num_blocks]
         while b != self.num_blocks:
             out.append(b)
-            b = self.fq_next[b]
+            b = step[b]
         return out

@@ -191,28 +191,50 @@ def test_streaming_keyword_gives_no_warning():
 # the pool's free queue
 
 
-def test_free_queue_hands_out_least_recently_freed_first_tail_before_head():
+def _pool(lrf, n=8):
+    return pagedkv._core.BlockPool(n, 1, 1, 4, 4, 0, lrf)
+
+
+@pytest.mark.parametrize("lrf", [False, True])
+def test_new_pool_hands_out_ids_in_order(lrf):
+    assert _pool(lrf).free_blocks() == list(range(8))
+
+
+def test_default_pool_reuses_the_most_recently_freed_block_tail_last():
+    """Without prefix caching freed contents are dead: the warmest block goes out first.
+    A freed sequence releases its tail first, so its head is the warmest."""
     cache = make(num_blocks=8)
     pool = cache._core.pool
-    assert pool.free_blocks() == list(range(8))       # a new pool hands out 0, 1, 2, ...
+    assert not pool.lrf
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append(a, tok(12), tok(12))                  # blocks 0, 1, 2
     cache.append(b, tok(8), tok(8))                    # blocks 3, 4
     assert cache.block_table(a).tolist() == [0, 1, 2]
-    cache.free(a)                                      # tail first: 2, 1, 0 join the queue
-    assert pool.free_blocks() == [5, 6, 7, 2, 1, 0]
-    cache.free(b)
-    assert pool.free_blocks() == [5, 6, 7, 2, 1, 0, 4, 3]
+    cache.free(a)                                      # releases 2, 1, 0
+    assert pool.free_blocks() == [0, 1, 2, 5, 6, 7]
+    cache.free(b)                                      # releases 4, 3
+    assert pool.free_blocks() == [3, 4, 0, 1, 2, 5, 6, 7]
     c = cache.add_sequence()
     cache.append(c, tok(16), tok(16))
-    assert cache.block_table(c).tolist() == [5, 6, 7, 2]
+    assert cache.block_table(c).tolist() == [3, 4, 0, 1]
+    cache.truncate(c, 5)                               # keeps 3, 4; releases 1 then 0
+    assert pool.free_blocks() == [0, 1, 2, 5, 6, 7]
+    assert [pool.ref_count(x) for x in range(8)] == [0, 0, 0, 1, 1, 0, 0, 0]
 
 
-def test_truncate_and_trim_release_tail_first():
-    cache = make(num_blocks=8)
-    pool = cache._core.pool
-    a = cache.add_sequence()
-    cache.append(a, tok(16), tok(16))                  # blocks 0..3
-    cache.truncate(a, 5)                               # keeps 0, 1; frees 3 then 2
-    assert pool.free_blocks() == [4, 5, 6, 7, 3, 2]
-    assert [pool.ref_count(b) for b in range(8)] == [1, 1, 0, 0, 0, 0, 0, 0]
+def test_lrf_pool_hands_out_least_recently_freed_first():
+    """The order prefix caching needs: freed blocks stay unused as long as possible, and
+    a freed chain's tail goes before its head."""
+    core = pagedkv._core.CacheCore(8, 4, HKV, D, lrf=True)
+    pool = core.pool
+    assert pool.lrf
+    a, b = core.add_sequence(), core.add_sequence()
+    core.append(a, tok(12), tok(12))                   # blocks 0, 1, 2
+    core.append(b, tok(8), tok(8))                     # blocks 3, 4
+    core.free(a)                                       # tail first: 2, 1, 0 join the queue
+    assert pool.free_blocks() == [5, 6, 7, 2, 1, 0]
+    core.free(b)
+    assert pool.free_blocks() == [5, 6, 7, 2, 1, 0, 4, 3]
+    c = core.add_sequence()
+    core.append(c, tok(16), tok(16))
+    assert core.block_table(c).tolist() == [5, 6, 7, 2]
