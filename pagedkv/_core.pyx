@@ -18,7 +18,7 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
 

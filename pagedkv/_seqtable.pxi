@@ -207,12 +207,39 @@ cdef class SequenceTable:
         keep = _cdiv(g.b1, self.block_size)
         for i in range(s.nblk - 1, keep - 1, -1):
             self.pool.release(s.table[i])
+        if g.b1 % self.block_size and self.pool.refcount[s.table[keep - 1]] == 1:
+            # the next append writes into this block in place: its old contents go
+            self.pool.forget(s.table[keep - 1])
         s.nblk = keep
         total = g.b1 + s.off1
         for i in range(self.num_layers):
             if s.written[i] > total:
                 s.written[i] = total
         s.step_n = 0
+
+    cdef Seq *adopt(self, const int32_t *blocks, int64_t n, double priority) except NULL:
+        """A new sequence holding the n given blocks, full and written on every
+        layer (a prefix-cache hit); the caller checked n <= max_blocks_per_seq."""
+        cdef Seq *s = self.new_seq(priority)
+        cdef int64_t i
+        for i in range(n):
+            self.pool.share(blocks[i])
+            s.table[i] = blocks[i]
+        s.nblk = n
+        s.segs.b1 = n * self.block_size
+        for i in range(self.num_layers):
+            s.written[i] = s.segs.b1
+        return s
+
+    cdef void renumber(self, const int32_t *moved_to) noexcept:
+        """Rewrite every block table after the pool moved blocks (compaction)."""
+        cdef int64_t i, j
+        cdef Seq *s
+        for i in range(self.max_seqs):
+            s = &self.seqs[i]
+            if s.sid >= 0:
+                for j in range(s.nblk):
+                    s.table[j] = moved_to[s.table[j]]
 
     cdef inline void touch(self, Seq *s) noexcept:
         self.tick += 1
