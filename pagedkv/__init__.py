@@ -11,10 +11,12 @@ from pagedkv._version import __version__
 from pagedkv.cache import PagedKVCache
 from pagedkv.eviction import EvictionRecord, EvictionStrategy
 from pagedkv.rope import RoPE
-from pagedkv.stats import CacheStats
+from pagedkv.persist import CacheFileError
+from pagedkv.stats import CacheStats, format_stats
 from pagedkv.streaming import StreamingLLM
 
 __all__ = [
+    "CacheFileError",
     "CacheStats",
     "EvictionRecord",
     "EvictionStrategy",
@@ -23,6 +25,7 @@ __all__ = [
     "RoPE",
     "StreamingLLM",
     "__version__",
+    "format_stats",
     "get_num_threads",
     "has_openmp",
     "set_num_threads",

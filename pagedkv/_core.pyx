@@ -159,6 +159,10 @@ include "_pool.pxi"
 include "_seqtable.pxi"
 
 
+def _no_token_ids():
+    raise TypeError("token_ids= is for caches made with prefix_caching=True")
+
+
 cdef class CacheCore:
     """Pool + sequence table behind a checked API; see PagedKVCache."""
 
@@ -444,6 +448,121 @@ cdef class CacheCore:
             raise ValueError(f"truncate length must be in [0, {held}], got {length}")
         self.seqs.truncate(s, length)
 
+    def written_tokens(self, sid):
+        """Stream positions written on every layer (the fully written prefix)."""
+        cdef Seq *s = self._seq(sid)
+        cdef int64_t w = s.written[0]
+        cdef int l
+        for l in range(1, self.num_layers):
+            w = min(w, s.written[l])
+        return w
+
+    def adopt(self, blocks, double priority=0.0):
+        """A new sequence holding `blocks` (in use, or free but still cached),
+        full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
+        Returns its id; raises and changes nothing when a block is invalid."""
+        self._check_idle()
+        cdef cnp.ndarray arr = np.ascontiguousarray(blocks, dtype=np.int32)
+        cdef int64_t n = arr.shape[0] if arr.ndim == 1 else -1, i
+        cdef const int32_t *b = <const int32_t *>cnp.PyArray_DATA(arr)
+        if n < 0:
+            raise ValueError("blocks must be one-dimensional")
+        if n > self.max_blocks_per_seq:
+            raise ValueError(f"{n} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
+        for i in range(n):
+            if b[i] < 0 or b[i] >= self.pool.num_blocks or (
+                    self.pool.refcount[b[i]] == 0 and not self.pool.cached[b[i]]):
+                raise ValueError(f"block {b[i]} is neither in use nor cached")
+        return self.seqs.adopt(b, n, priority).sid
+
+    # ------------------------------------------------------------------
+    # compaction, resize, export / import
+
+    def compact(self):
+        """Move every used block to the lowest ids and rewrite the block tables.
+        Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
+        self._check_idle()
+        moved_to = np.empty(self.pool.num_blocks, dtype=np.int32)
+        cdef int32_t *m = <int32_t *>cnp.PyArray_DATA(moved_to)
+        moves = self.pool.compact(m)
+        self.seqs.renumber(m)
+        return moves, moved_to
+
+    def resize(self, num_blocks):
+        """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
+        free: compact() first).  max_blocks_per_seq does not change."""
+        self._check_idle()
+        n = _positive_int("num_blocks", num_blocks)
+        if n > 2**31 - 1:
+            raise ValueError(f"num_blocks must be < 2**31, got {n}")
+        hi = self.pool.highest_used()
+        if n <= hi:
+            raise ValueError(
+                f"cannot shrink the pool to {n} blocks: block {hi} is in use "
+                f"({self.pool.num_blocks - self.pool.num_free} blocks used); call compact() first")
+        if n * self.pool.geom.block_bytes > 2**56:
+            raise MemoryError(f"the pool would need {n * self.pool.geom.block_bytes} bytes")
+        if n != self.pool.num_blocks:
+            self.pool.resize(n)
+
+    def export_seq(self, sid):
+        """(meta, blocks) of a sequence: its segments and offsets, and its
+        blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
+        cdef Seq *s = self._seq(sid)
+        cdef int64_t total = s.segs.b1 + s.off1, i
+        cdef int l
+        cdef size_t bb = self.pool.geom.block_bytes
+        for l in range(self.num_layers):
+            if s.written[l] != total:
+                raise ValueError(
+                    f"cannot export sequence {sid} in the middle of a step: layer {l} lacks "
+                    "its newest tokens (append them on every layer first)")
+        data = np.empty((s.nblk, bb), dtype=np.uint8)
+        cdef char *d = <char *>cnp.PyArray_DATA(data)
+        for i in range(s.nblk):
+            memcpy(d + i * bb, self.pool.block_ptr(s.table[i]), bb)
+        meta = dict(nblk=s.nblk, a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1,
+                    off0=s.off0, off1=s.off1, priority=s.priority)
+        return meta, data
+
+    def import_seq(self, meta, data):
+        """A new sequence from export_seq's (meta, blocks); checks everything
+        first and changes nothing when it raises."""
+        self._check_idle()
+        cdef size_t bb = self.pool.geom.block_bytes
+        cdef int64_t bs = self.block_size, i
+        try:
+            nblk, a0, a1, b0, b1, off0, off1 = (int(meta[k]) for k in (
+                "nblk", "a0", "a1", "b0", "b1", "off0", "off1"))
+            priority = float(meta.get("priority", 0.0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
+        if not (0 <= a0 <= a1 <= b0 <= b1 and 0 <= nblk and _cdiv(b1, bs) == nblk
+                and 0 <= off0 < 2**62 and 0 <= off1 < 2**62):
+            raise ValueError(
+                f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}), "
+                f"{nblk} blocks of {bs} tokens")
+        if nblk > self.max_blocks_per_seq:
+            raise ValueError(
+                f"the sequence holds {nblk} blocks; max_blocks_per_seq is {self.max_blocks_per_seq}")
+        cdef cnp.ndarray arr = np.ascontiguousarray(data, dtype=np.uint8)
+        if arr.size != nblk * bb:
+            raise ValueError(f"expected {nblk * bb} bytes of blocks, got {arr.size}")
+        if self.seqs.n_slots_free == 0:
+            raise RuntimeError(f"all {self.max_seqs} sequence slots are in use (max_seqs)")
+        self.seqs.check_free(nblk, 0)
+        cdef Seq *s = self.seqs.new_seq(priority)
+        cdef const char *d = <const char *>cnp.PyArray_DATA(arr)
+        for i in range(nblk):
+            s.table[i] = self.pool.take()
+            memcpy(self.pool.block_ptr(s.table[i]), d + i * bb, bb)
+        s.nblk = nblk
+        s.segs.a0, s.segs.a1, s.segs.b0, s.segs.b1 = a0, a1, b0, b1
+        s.off0, s.off1 = off0, off1
+        for i in range(self.num_layers):
+            s.written[i] = b1 + off1
+        return s.sid
+
     # ------------------------------------------------------------------
     # StreamingLLM
 
@@ -567,8 +686,10 @@ cdef class CacheCore:
                 f"position {s.written[layer]}, the step starts at {total - n}")
         return 0
 
-    def append(self, sid, k, v, layer=0):
+    def append(self, sid, k, v, layer=0, token_ids=None):
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
+        if token_ids is not None:
+            _no_token_ids()
         cdef Seq *s = self._seq(sid)
         cdef int64_t id = s.sid
         cdef int l = self._check_layer(layer)
@@ -619,8 +740,10 @@ cdef class CacheCore:
             self.b_ids[i] = s.sid
         return B
 
-    def append_batch(self, sids, k, v, layer=0):
+    def append_batch(self, sids, k, v, layer=0, token_ids=None):
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
+        if token_ids is not None:
+            _no_token_ids()
         cdef int l = self._check_layer(layer)
         cdef int64_t B = self._batch_seqs(sids)
         cdef int64_t i, needed = 0, freed = 0

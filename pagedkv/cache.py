@@ -10,6 +10,8 @@ exposes exactly the documented API.  Where each concept lives:
     kernels, dispatch        include/pagedkv/ (attention.h has the table)
     StreamingLLM policy      pagedkv/streaming.py
     sequence eviction        pagedkv/eviction.py
+    prefix caching           pagedkv/prefix.py
+    save / load              pagedkv/persist.py
     statistics               pagedkv/stats.py
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pagedkv.eviction import (
     SequenceInfo,
     check_priority,
 )
+from pagedkv import persist
+from pagedkv.prefix import PrefixCache, append_batch_fn, append_fn
 from pagedkv.rope import RoPE
 from pagedkv.stats import CacheStats, collect
 from pagedkv.streaming import StreamingLLM
@@ -67,17 +71,20 @@ class PagedKVCache:
         on_evict: optional ``callback(sid, cause)`` called after every
             whole-sequence eviction (cause: "manual", "strategy", "threshold"
             or "out_of_blocks").
+        prefix_caching: reuse the K/V of full blocks whose token ids were
+            seen before (see "Prefix caching"; not with ``streaming``).
 
     Methods (arrays are NumPy; k, v, q of another float dtype are converted,
     non-contiguous ones copied):
-        add_sequence(priority=0) -> sid
-        append(sid, k, v, layer=0)          k, v: [n, Hkv, D]
+        add_sequence(priority=0, token_ids=None, cache_salt=None) -> sid
+        append(sid, k, v, layer=0, token_ids=None)    k, v: [n, Hkv, D]
         attend(sid, q, layer=0, scale=None, out=None) -> [n, Hq, D]
             causal attention of the newest n tokens' queries (Hq % Hkv == 0)
         append_batch(sids, k, v, layer=0)   one token per sequence, [B, Hkv, D]
         attend_batch(sids, q, layer=0, scale=None, out=None) -> [B, Hq, D]
         gather(sid, layer=0) -> (k, v)      [seq_len, Hkv, D] copies
         seq_len(sid), kept_positions(sid), fork(sid), truncate(sid, length), free(sid)
+        save(sid, path), load(path) -> sid, compact() -> blocks moved, resize(num_blocks)
         apply_streaming_llm(sid, sink_tokens, window_tokens) -> evicted tokens
         select_eviction_target(exclude=()), eviction_order(exclude=()),
         evict(sid=None), evict_to_threshold(utilization=None)
@@ -106,6 +113,19 @@ class PagedKVCache:
     crosses into C once and runs no Python; in automatic mode ``append`` and
     ``append_batch`` are the evictor's.
 
+    Prefix caching (``prefix_caching=True``, policy in pagedkv/prefix.py):
+    every full block is identified by a hash chain over its token ids (and
+    an optional ``cache_salt``).  ``append(..., token_ids=ids)`` on layer 0
+    tells the cache the appended tokens' ids; a block is registered once
+    every layer has written it.  ``add_sequence(token_ids=prompt)`` starts
+    the sequence with the longest cached prefix of the prompt (at most
+    ``(len(prompt) - 1) // block_size`` blocks, shared copy-on-write):
+    afterwards ``seq_len(sid)`` tokens are present and the caller appends the
+    rest (their ids are known from the prompt).  Freed blocks stay hit-able
+    until the pool hands them out again, least recently freed first; a hit
+    verifies the token ids, so a hash collision is a miss, never another
+    prompt's K/V.  ``stats()`` reports hits, misses and cached-free blocks.
+
     Eviction statistics: ``stats().evicted_tokens`` / ``evicted_blocks``
     count StreamingLLM evictions plus the tokens and blocks held by evicted
     sequences (a block counts when it leaves a sequence's block table, shared
@@ -133,6 +153,7 @@ class PagedKVCache:
         eviction_threshold: float = 0.95,
         auto_evict: bool = False,
         on_evict: Optional[OnEvict] = None,
+        prefix_caching: bool = False,
         eviction=_UNSET,
     ):
         if eviction is not _UNSET:
@@ -144,6 +165,11 @@ class PagedKVCache:
         if streaming is not None and not isinstance(streaming, StreamingLLM):
             raise TypeError(
                 f"streaming must be None or a StreamingLLM, got {type(streaming).__name__}")
+        if not isinstance(prefix_caching, (bool, np.bool_)):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        if prefix_caching and streaming is not None:
+            raise ValueError("prefix_caching cannot be combined with StreamingLLM: the tokens a "
+                             "streaming sequence holds no longer form a prefix")
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope must be None or a RoPE, got {type(rope).__name__}")
         cos = sin = None
@@ -156,9 +182,12 @@ class PagedKVCache:
         evictor_args = (eviction_strategy, eviction_threshold, on_evict)
         SequenceEvictor(None, *evictor_args)  # validates before the pool is allocated
         core = CacheCore(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
-                         max_seqs, max_blocks_per_seq, cos, sin)
+                         max_seqs, max_blocks_per_seq, cos, sin, lrf=bool(prefix_caching))
         self._core = core
         self._evictor = SequenceEvictor(core, *evictor_args)
+        self._prefix = PrefixCache(core) if prefix_caching else None
+        if self._prefix is not None:
+            self._evictor.released = self._prefix.released
         self.streaming = streaming
         self.rope = rope
         if streaming is not None:
@@ -183,6 +212,10 @@ class PagedKVCache:
     max_blocks_per_seq = property(lambda self: self._core.max_blocks_per_seq,
                                   doc="Blocks one sequence may hold.")
     dtype = property(lambda self: self._core.dtype, doc="dtype of arrays in and out.")
+    kv_dtype = property(lambda self: self._core.dtype.name,
+                        doc="How K/V are stored (the name of a dtype).")
+    prefix_caching = property(lambda self: self._prefix is not None,
+                              doc="Whether prefix caching is on.")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
                                doc="Bytes of one block: K and V of every layer.")
     last_attention_plan = property(
@@ -201,13 +234,15 @@ class PagedKVCache:
     # the hot methods (bound to the core's on each instance; these class-level
     # definitions document them and serve unbound calls)
 
-    def append(self, sid: int, k, v, layer: int = 0):
-        """Append n tokens' keys and values, each [n, Hkv, D] (see the class docstring)."""
-        return self._core.append(sid, k, v, layer)
+    def append(self, sid: int, k, v, layer: int = 0, token_ids=None):
+        """Append n tokens' keys and values, each [n, Hkv, D] (see the class
+        docstring); token_ids: their n ids (prefix caching only)."""
+        return self._core.append(sid, k, v, layer, token_ids)
 
-    def append_batch(self, sids, k, v, layer: int = 0):
-        """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
-        return self._core.append_batch(sids, k, v, layer)
+    def append_batch(self, sids, k, v, layer: int = 0, token_ids=None):
+        """Append one token to each of B distinct sequences: k, v [B, Hkv, D];
+        token_ids: one id per sequence (prefix caching only)."""
+        return self._core.append_batch(sids, k, v, layer, token_ids)
 
     def attend(self, sid: int, q, layer: int = 0, scale=None, out=None) -> np.ndarray:
         """Causal attention of the newest n tokens' queries q [n, Hq, D] -> [n, Hq, D]."""
@@ -224,25 +259,46 @@ class PagedKVCache:
     # ------------------------------------------------------------------
     # sequences
 
-    def add_sequence(self, priority: float = 0) -> int:
-        """Start an empty sequence and return its id.
+    def add_sequence(self, priority: float = 0, token_ids=None, cache_salt=None) -> int:
+        """Start a sequence and return its id.
 
         ``priority`` matters to the "priority" strategy only: lower values
-        are evicted first."""
-        return self._core.add_sequence(check_priority(priority))
+        are evicted first.  With prefix caching, ``token_ids`` (the prompt)
+        starts the sequence with the prompt's longest cached prefix
+        (``seq_len(sid)`` tells how many tokens; append the rest) and
+        ``cache_salt`` (any hashable) keeps its blocks apart from other
+        salts' (e.g. per tenant)."""
+        priority = check_priority(priority)
+        if token_ids is None and cache_salt is None:
+            sid = self._core.add_sequence(priority)
+            if self._prefix is not None:
+                self._prefix.new_sequence(sid)
+            return sid
+        if self._prefix is None:
+            raise TypeError("token_ids= and cache_salt= are for caches made with "
+                            "prefix_caching=True")
+        return self._prefix.add_sequence([] if token_ids is None else token_ids, priority,
+                                         cache_salt)
 
     def fork(self, sid: int) -> int:
         """New sequence sharing every block of `sid` (copy-on-write); it
         inherits the parent's priority."""
-        return self._core.fork(sid)
+        child = self._core.fork(sid)
+        if self._prefix is not None:
+            self._prefix.forked(sid, child)
+        return child
 
     def truncate(self, sid: int, length: int) -> None:
         """Roll back to the first `length` held tokens."""
         self._core.truncate(sid, length)
+        if self._prefix is not None:
+            self._prefix.truncated(sid, length)
 
     def free(self, sid: int) -> None:
         """Release a sequence and every block only it held."""
         self._core.free(sid)
+        if self._prefix is not None:
+            self._prefix.released(sid)
 
     def seq_len(self, sid: int) -> int:
         """Tokens the sequence holds now (after eviction)."""
@@ -294,6 +350,9 @@ class PagedKVCache:
         tokens) or when the kept tokens would not form at most two runs (a
         sequence trimmed before with other sizes)."""
         StreamingLLM(sink_tokens, window_tokens)  # validates
+        if self._prefix is not None:
+            raise ValueError("apply_streaming_llm cannot be used with prefix_caching: the "
+                             "tokens a trimmed sequence holds no longer form a prefix")
         evicted, _ = self._core.trim(sid, sink_tokens, window_tokens)
         return evicted
 
@@ -341,8 +400,12 @@ class PagedKVCache:
     def auto_evict(self, on: bool) -> None:
         self._auto_evict = bool(on)
         owner = self._evictor if self._auto_evict else self._core
-        self.append = owner.append
-        self.append_batch = owner.append_batch
+        if self._prefix is None:
+            self.append = owner.append
+            self.append_batch = owner.append_batch
+        else:
+            self.append = append_fn(self._prefix, owner.append)
+            self.append_batch = append_batch_fn(self._prefix, owner.append_batch)
 
     def eviction_order(self, exclude: Iterable[int] = ()) -> List[int]:
         """Live sequence ids in the order the strategy would evict them."""
@@ -372,11 +435,50 @@ class PagedKVCache:
         return self._evictor.evict_to_threshold(utilization, exclude)
 
     # ------------------------------------------------------------------
+    # persistence, compaction and resize
+
+    def save(self, sid: int, path) -> int:
+        """Write sequence `sid` (K/V of every layer, kept positions, the cache
+        configuration) to `path` atomically; returns the bytes written.  The
+        format is documented in pagedkv/persist.py."""
+        return persist.save(self, sid, path)
+
+    def load(self, path, priority: Optional[float] = None) -> int:
+        """A new sequence read from a file written by ``save``; returns its id.
+
+        Raises ``pagedkv.CacheFileError`` (a ValueError) for a foreign,
+        truncated or corrupt file, ValueError when it was saved from a cache
+        of another configuration, OutOfBlocksError when it does not fit; the
+        cache is then unchanged."""
+        if priority is not None:
+            priority = check_priority(priority)
+        return persist.load(self, path, priority)
+
+    def compact(self) -> int:
+        """Move every used block to the lowest block ids (updating every block
+        table and the prefix index) so that ``resize`` can hand the top of the
+        pool back; returns the blocks moved.  Contents are unchanged."""
+        if self._prefix is not None:
+            self._prefix.prune()
+        moved, moved_to = self._core.compact()
+        if self._prefix is not None:
+            self._prefix.remap(moved_to)
+        return moved
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow or shrink the pool to `num_blocks`.  Shrinking below the highest
+        used block raises ValueError (call ``compact()`` first) and changes
+        nothing.  ``max_blocks_per_seq`` stays as it was."""
+        self._core.resize(num_blocks)
+        if self._prefix is not None:
+            self._prefix.prune()
+
+    # ------------------------------------------------------------------
     # statistics
 
     def stats(self) -> CacheStats:
         """A CacheStats snapshot (counts, bytes, fragmentation, activity)."""
-        return collect(self._core, self._evictor)
+        return collect(self._core, self._evictor, self._prefix)
 
     def __repr__(self) -> str:
         core = self._core
@@ -388,6 +490,8 @@ class PagedKVCache:
             extra += f", rope=RoPE(theta={self.rope.theta})"
         if self.auto_evict:
             extra += f", auto_evict={self.eviction_strategy.value!r}"
+        if self._prefix is not None:
+            extra += ", prefix_caching=True"
         return (
             f"PagedKVCache(blocks={core.num_blocks - core.num_free_blocks}/{core.num_blocks} used, "
             f"block_size={core.block_size}, kv_heads={core.num_kv_heads}, "

@@ -154,6 +154,8 @@ class SequenceEvictor:
         self.log: "collections.deque[EvictionRecord]" = collections.deque(maxlen=1024)
         # cause -> [sequences, tokens, blocks]
         self._counts: Dict[str, List[int]] = {}
+        #: called with each evicted id before on_evict (the prefix cache's hook)
+        self.released: Optional[Callable[[int], None]] = None
 
     # settings, validated
     @property
@@ -222,6 +224,8 @@ class SequenceEvictor:
 
     def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
         tokens, blocks, freed = self._core.evict_sequence(sid)
+        if self.released is not None:
+            self.released(sid)
         c = self._counts.setdefault(cause, [0, 0, 0])
         c[0] += 1
         c[1] += tokens

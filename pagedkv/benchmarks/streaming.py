@@ -112,7 +112,7 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     bound = policy.max_blocks(bs, 1)
     cache = pagedkv.PagedKVCache(num_blocks=bound, block_size=bs, num_kv_heads=hkv, head_dim=d,
                                  dtype="float32", max_seqs=1, max_blocks_per_seq=bound,
-                                 eviction=policy, rope=pagedkv.RoPE(theta=THETA))
+                                 streaming=policy, rope=pagedkv.RoPE(theta=THETA))
     sid = cache.add_sequence()
     rng = np.random.default_rng(seed)
     pool = 64  # distinct random tokens, reused cyclically (generating them is not timed)
@@ -159,7 +159,7 @@ def run(tokens=100_000, sink=4, window=1020, quick=False, naive_tokens=None, see
     # processes) weighs on both alike.
     fresh = pagedkv.PagedKVCache(num_blocks=bound, block_size=bs, num_kv_heads=hkv,
                                  head_dim=d, dtype="float32", max_seqs=1,
-                                 max_blocks_per_seq=bound, eviction=policy,
+                                 max_blocks_per_seq=bound, streaming=policy,
                                  rope=pagedkv.RoPE(theta=THETA))
     fsid = fresh.add_sequence()
     for t in range(sink + window + 1):

@@ -1,0 +1,166 @@
+"""Save one sequence's K/V to a file and load it back (``cache.save`` / ``cache.load``).
+
+File format, version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       8     magic  b"PAGEDKV\\x1a"
+    8       4     format version (uint32, 1)
+    12      4     H = length of the header (uint32)
+    16      H     header: UTF-8 JSON object (below)
+    16+H    P     the sequence's blocks, raw, in block-table order:
+                  nblk * bytes_per_block bytes, exactly as the pool stores them
+    16+H+P  4     CRC-32 (zlib) of every byte before it (uint32)
+
+Header keys: ``"config"`` (block_size, num_kv_heads, head_dim, num_layers,
+dtype, kv_dtype, bytes_per_block, byteorder, rope: null or {theta,
+rotary_dim}, streaming: null or {sink_tokens, window_tokens}), which must
+equal the loading cache's; ``"sequence"`` (nblk, the held slots as two
+segments a0..a1 and b0..b1, the stream offsets off0/off1 — together the kept
+positions — priority, length); ``"token_ids"``: the ids of the held tokens
+when a prefix-caching cache knew them, else null (a prefix-caching cache
+that loads the file registers its full blocks, so a saved system prompt
+becomes a prefix hit); ``"payload_bytes"`` = P.
+
+Saving writes a temporary file in the target's directory and renames it
+over the target (atomic on POSIX and Windows).  Loading reads and checks the
+whole file (magic, version, sizes, checksum, configuration) before the cache
+changes; a file that does not fit raises OutOfBlocksError and changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import tempfile
+import zlib
+
+import numpy as np
+
+MAGIC = b"PAGEDKV\x1a"
+VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+
+
+class CacheFileError(ValueError):
+    """A file that is not a readable pagedkv sequence file (foreign,
+    truncated, corrupt, or of an unsupported version)."""
+
+
+def config_of(cache) -> dict:
+    """The configuration a saved sequence must be loaded into."""
+    rope = cache.rope
+    streaming = cache.streaming
+    return {
+        "block_size": cache.block_size,
+        "num_kv_heads": cache.num_kv_heads,
+        "head_dim": cache.head_dim,
+        "num_layers": cache.num_layers,
+        "dtype": cache.dtype.name,
+        "kv_dtype": cache.kv_dtype,
+        "bytes_per_block": cache.bytes_per_block,
+        "byteorder": sys.byteorder,
+        "rope": None if rope is None else {"theta": float(rope.theta),
+                                           "rotary_dim": rope.dim(cache.head_dim)},
+        "streaming": None if streaming is None else {
+            "sink_tokens": streaming.sink_tokens, "window_tokens": streaming.window_tokens},
+    }
+
+
+def save(cache, sid, path) -> int:
+    """Write sequence `sid` to `path` atomically; returns the bytes written."""
+    core = cache._core
+    meta, blocks = core.export_seq(sid)
+    meta["length"] = cache.seq_len(sid)
+    tokens = cache._prefix.tokens_of(sid) if cache._prefix is not None else None
+    header = json.dumps({
+        "config": config_of(cache),
+        "sequence": meta,
+        "token_ids": tokens,
+        "payload_bytes": int(blocks.nbytes),
+    }, separators=(",", ":")).encode()
+    head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
+    crc = zlib.crc32(blocks, zlib.crc32(head))
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".pagedkv-", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(head)
+            f.write(memoryview(blocks).cast("B"))
+            f.write(struct.pack("<I", crc))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return len(head) + blocks.nbytes + 4
+
+
+def read(path):
+    """(header dict, payload as a read-only uint8 array) of a sequence file,
+    checked: magic, version, sizes, checksum."""
+    with open(os.fspath(path), "rb") as f:
+        data = f.read()
+    name = os.fspath(path)
+    if len(data) < _PREFIX.size + 4:
+        raise CacheFileError(f"{name}: {len(data)} bytes is too short for a pagedkv sequence file")
+    magic, version, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CacheFileError(f"{name}: not a pagedkv sequence file (magic {magic!r})")
+    if version != VERSION:
+        raise CacheFileError(f"{name}: format version {version}; this pagedkv reads version "
+                             f"{VERSION}")
+    if _PREFIX.size + hlen + 4 > len(data):
+        raise CacheFileError(f"{name}: truncated (header of {hlen} bytes, file of {len(data)})")
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if zlib.crc32(memoryview(data)[:-4]) != crc:
+        raise CacheFileError(f"{name}: checksum mismatch (truncated or corrupt file)")
+    try:
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen].decode())
+        payload_bytes = int(header["payload_bytes"])
+        header["config"], header["sequence"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CacheFileError(f"{name}: unreadable header ({e})") from None
+    start = _PREFIX.size + hlen
+    if start + payload_bytes + 4 != len(data):
+        raise CacheFileError(f"{name}: {len(data) - start - 4} bytes of blocks, header says "
+                             f"{payload_bytes}")
+    payload = np.frombuffer(data, dtype=np.uint8, count=payload_bytes, offset=start)
+    return header, payload
+
+
+def load(cache, path, priority=None) -> int:
+    """A new sequence from a file written by save(); returns its id."""
+    header, payload = read(path)
+    want = config_of(cache)
+    got = header["config"]
+    diff = [f"{k}: file {got.get(k)!r}, cache {v!r}" for k, v in want.items() if got.get(k) != v]
+    if diff:
+        raise ValueError(f"{os.fspath(path)} was saved from a cache with another "
+                         "configuration: " + "; ".join(diff))
+    meta = dict(header["sequence"])
+    try:
+        length = (int(meta["a1"]) - int(meta["a0"])) + (int(meta["b1"]) - int(meta["b0"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileError(f"{os.fspath(path)}: malformed sequence header ({e})") from None
+    if meta.get("length") != length:
+        raise CacheFileError(f"{os.fspath(path)}: sequence length {meta.get('length')!r} does "
+                             f"not match its segments ({length} tokens)")
+    if priority is not None:
+        meta["priority"] = priority
+    tokens = header.get("token_ids")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != meta.get("length")
+                               or not all(type(t) is int for t in tokens)):
+        raise CacheFileError(f"{os.fspath(path)}: malformed token_ids")
+    sid = cache._core.import_seq(meta, payload)
+    if cache._prefix is not None:
+        if tokens is not None:
+            cache._prefix.restored(sid, tokens)
+        else:
+            cache._prefix.new_sequence(sid)
+    return sid

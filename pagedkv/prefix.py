@@ -1,0 +1,295 @@
+"""Prefix caching: reuse the K/V of full blocks whose token ids were seen before.
+
+The policy lives here; the mechanics (a block's ``cached`` mark, its
+generation, a free queue that hands out the least recently freed block
+first and lets a cached free block be taken back) live in the block pool
+(``pagedkv/_pool.pxi``).
+
+Every full block a sequence writes is identified by a hash chain::
+
+    hash(block i) = hash((hash(block i-1), token ids of block i, salt))
+
+and entered in an index ``hash -> _Entry``.  ``add_sequence(token_ids=...)``
+walks the prompt's chain through the index and starts the new sequence with
+the longest run of blocks found (copy-on-write, as ``fork`` shares).  A hit
+is verified, never trusted to the hash: the entry's token ids and salt must
+equal the prompt's and its parent must be the entry matched one block
+earlier (by identity), so a hash collision costs a miss, never another
+prompt's K/V.  An entry is valid while its block's generation is the one
+recorded when it was registered: the pool bumps the generation each time it
+hands the block out again, so stale entries are recognised (and dropped) on
+sight and the index never holds more live entries than the pool has blocks.
+
+A block is registered once every layer has written it and its token ids are
+known: from ``add_sequence(token_ids=prompt)`` (the prompt's ids cover the
+tokens the caller appends next) or from ``append(..., token_ids=...)`` on
+layer 0.  At most ``(len(prompt) - 1) // block_size`` blocks are reused, so
+at least one prompt token is always left for the caller to compute (its
+logits are needed for the next token).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+
+class _Entry:
+    """One registered full block."""
+
+    __slots__ = ("key", "block", "gen", "parent", "tokens", "salt")
+
+    def __init__(self, key, block, gen, parent, tokens, salt):
+        self.key = key          # the hash (the index key)
+        self.block = block      # physical block id (rewritten by compaction)
+        self.gen = gen          # the block's generation when registered
+        self.parent = parent    # the previous block's _Entry, None for the first
+        self.tokens = tokens    # tuple of the block's token ids
+        self.salt = salt
+
+
+class _SeqState:
+    """What the prefix cache knows of one sequence."""
+
+    __slots__ = ("tokens", "chain", "salt")
+
+    def __init__(self, tokens: List[int], chain: List[_Entry], salt):
+        self.tokens = tokens    # token ids of positions [0, len(tokens))
+        self.chain = chain      # entries of its first len(chain) blocks
+        self.salt = salt
+
+    def copy(self) -> "_SeqState":
+        return _SeqState(list(self.tokens), list(self.chain), self.salt)
+
+
+def token_list(token_ids, name: str = "token_ids") -> List[int]:
+    """token_ids as a list of Python ints (a 1-D sequence of integers)."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return [int(t) for t in arr.tolist()]
+
+
+class PrefixCache:
+    """The prefix index of one cache core, its per-sequence chains and counters."""
+
+    def __init__(self, core):
+        self._core = core
+        self._pool = core.pool
+        self._bs = core.block_size
+        self._index: Dict[int, _Entry] = {}
+        self._seqs: Dict[int, _SeqState] = {}
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+
+    # hashing (a method, so tests can force collisions)
+    def _hash(self, parent: Optional[_Entry], tokens: tuple, salt) -> int:
+        return hash((None if parent is None else parent.key, tokens, salt))
+
+    def _valid(self, e: _Entry) -> bool:
+        return self._pool.is_cached(e.block, e.gen)
+
+    # ------------------------------------------------------------------
+    # lookup
+
+    def match(self, tokens: List[int], salt=None) -> List[_Entry]:
+        """The longest chain of valid cached blocks that starts the prompt
+        (at most (len(tokens) - 1) // block_size blocks)."""
+        bs = self._bs
+        found: List[_Entry] = []
+        parent = None
+        for i in range(max(len(tokens) - 1, 0) // bs):
+            t = tuple(tokens[i * bs:(i + 1) * bs])
+            key = self._hash(parent, t, salt)
+            e = self._index.get(key)
+            if e is None:
+                break
+            if not self._valid(e):
+                del self._index[key]
+                break
+            if e.tokens != t or e.salt != salt or e.parent is not parent:
+                break  # a hash collision: a miss, never another prompt's K/V
+            found.append(e)
+            parent = e
+        return found
+
+    def add_sequence(self, token_ids, priority: float, salt=None) -> int:
+        """A new sequence starting with the cached blocks of the prompt's
+        longest cached prefix (see the module docstring)."""
+        tokens = token_list(token_ids)
+        try:
+            hash(salt)
+        except TypeError:
+            raise TypeError(f"cache_salt must be hashable, got {type(salt).__name__}") from None
+        found = self.match(tokens, salt)
+        sid = self._core.adopt(np.array([e.block for e in found], dtype=np.int32), priority)
+        lookups = max(len(tokens) - 1, 0) // self._bs
+        self.hit_blocks += len(found)
+        self.miss_blocks += lookups - len(found)
+        self.hit_tokens += len(found) * self._bs
+        self.miss_tokens += len(tokens) - len(found) * self._bs
+        self._seqs[sid] = _SeqState(tokens, found, salt)
+        return sid
+
+    # ------------------------------------------------------------------
+    # tracking sequences
+
+    def new_sequence(self, sid: int) -> None:
+        """An empty sequence added without token ids."""
+        self._seqs[int(sid)] = _SeqState([], [], None)
+
+    def appended(self, sid: int, n: int, token_ids: Optional[List[int]]) -> None:
+        """Layer 0 of `sid` grew by n tokens (token_ids: theirs, or None)."""
+        st = self._seqs.get(int(sid))
+        if st is None:
+            return
+        start = self._core.seq_len(sid) - n
+        if len(st.tokens) < start:
+            return  # earlier tokens are unknown: nothing after them can be registered
+        if token_ids is not None:
+            del st.tokens[start:]
+            st.tokens.extend(token_ids)
+        elif len(st.tokens) < start + n:
+            del st.tokens[start:]  # these tokens' ids are unknown
+
+    def register(self, sid: int) -> None:
+        """Register the full blocks of `sid` that every layer has written and
+        whose token ids are known."""
+        st = self._seqs.get(int(sid))
+        if st is None:
+            return
+        bs = self._bs
+        full = min(self._core.written_tokens(sid), len(st.tokens)) // bs
+        if full <= len(st.chain):
+            return
+        table = self._core.block_table(sid)
+        while len(st.chain) < full:
+            i = len(st.chain)
+            parent = st.chain[-1] if st.chain else None
+            t = tuple(st.tokens[i * bs:(i + 1) * bs])
+            key = self._hash(parent, t, st.salt)
+            e = self._index.get(key)
+            if e is not None and self._valid(e):
+                if e.tokens != t or e.salt != st.salt or e.parent is not parent:
+                    return  # the key is taken by other contents (a collision): stop here
+                st.chain.append(e)  # the same contents are cached already (maybe elsewhere)
+                continue
+            block = int(table[i])
+            e = _Entry(key, block, self._pool.mark_cached(block), parent, t, st.salt)
+            self._index[key] = e
+            st.chain.append(e)
+
+    def forked(self, parent: int, child: int) -> None:
+        st = self._seqs.get(int(parent))
+        if st is not None:
+            self._seqs[int(child)] = st.copy()
+
+    def truncated(self, sid: int, length: int) -> None:
+        st = self._seqs.get(int(sid))
+        if st is not None:
+            del st.tokens[length:]
+            del st.chain[length // self._bs:]
+
+    def released(self, sid: int) -> None:
+        """`sid` was freed or evicted."""
+        self._seqs.pop(int(sid), None)
+
+    def tokens_of(self, sid: int) -> Optional[List[int]]:
+        """The token ids known for `sid`'s held tokens (None when incomplete)."""
+        st = self._seqs.get(int(sid))
+        if st is None or len(st.tokens) < self._core.seq_len(sid):
+            return None
+        return st.tokens[:self._core.seq_len(sid)]
+
+    def restored(self, sid: int, tokens: List[int]) -> None:
+        """A sequence loaded from a file with these token ids: register it."""
+        self._seqs[int(sid)] = _SeqState(list(tokens), [], None)
+        self.register(sid)
+
+    # ------------------------------------------------------------------
+    # pool changes
+
+    def prune(self) -> None:
+        """Drop the entries whose blocks were handed out again."""
+        for key in [k for k, e in self._index.items() if not self._valid(e)]:
+            del self._index[key]
+
+    def remap(self, moved_to: np.ndarray) -> None:
+        """After compaction: the entries follow their blocks.  Call prune()
+        before compacting (an entry must be valid to be followed)."""
+        for e in self._index.values():
+            b = int(moved_to[e.block])
+            if b != e.block:
+                e.block = b
+                e.gen = self._pool.generation(b)
+        self.prune()
+
+    # ------------------------------------------------------------------
+    # statistics
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._index)
+
+    def counts(self):
+        """(hit blocks, miss blocks, hit tokens, miss tokens)."""
+        return self.hit_blocks, self.miss_blocks, self.hit_tokens, self.miss_tokens
+
+
+# ----------------------------------------------------------------------
+# the append methods of a prefix-caching PagedKVCache
+
+def _count(k) -> Optional[int]:
+    try:
+        return len(k)
+    except TypeError:
+        return None  # not an array: the core raises the real error
+
+
+def append_fn(prefix: PrefixCache, inner):
+    """``append(sid, k, v, layer=0, token_ids=None)`` calling `inner` (the
+    core's or the evictor's append) and registering what it filled."""
+
+    def append(sid, k, v, layer=0, token_ids=None):
+        ids = None
+        if token_ids is not None:
+            ids = token_list(token_ids)
+            n = _count(k)
+            if n is not None and len(ids) != n:
+                raise ValueError(f"token_ids has {len(ids)} ids for {n} tokens")
+        result = inner(sid, k, v, layer)
+        if layer == 0:
+            prefix.appended(sid, len(k), ids)
+        prefix.register(sid)
+        return result
+
+    append.__doc__ = "Append n tokens' K/V; token_ids (layer 0): their ids, for prefix caching."
+    return append
+
+
+def append_batch_fn(prefix: PrefixCache, inner):
+    """``append_batch(sids, k, v, layer=0, token_ids=None)``: as append_fn,
+    one token (and one id) per sequence."""
+
+    def append_batch(sids, k, v, layer=0, token_ids=None):
+        ids = None
+        if token_ids is not None:
+            ids = token_list(token_ids)
+            n = _count(sids)
+            if n is not None and len(ids) != n:
+                raise ValueError(f"token_ids has {len(ids)} ids for {n} sequences")
+        result = inner(sids, k, v, layer)
+        for i, sid in enumerate(sids):
+            if layer == 0:
+                prefix.appended(sid, 1, None if ids is None else ids[i:i + 1])
+            prefix.register(sid)
+        return result
+
+    append_batch.__doc__ = "Append one token per sequence; token_ids (layer 0): one id each."
+    return append_batch
