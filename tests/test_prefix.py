@@ -1,0 +1,315 @@
+"""Prefix caching: hash-chained full blocks reused by add_sequence(token_ids=...)."""
+
+import numpy as np
+import pytest
+
+import pagedkv
+from reference import snapshot, assert_unchanged
+
+HKV, D, HQ = 2, 8, 4
+
+
+def kv_for(tokens, layer, dtype=np.float32):
+    """K/V that are a pure function of (token id, position, layer): what a model's
+    projection of a shared prefix would give."""
+    t = np.asarray(tokens, dtype=np.float64)[:, None, None]
+    pos = np.arange(len(tokens), dtype=np.float64)[:, None, None]
+    grid = np.arange(HKV * D, dtype=np.float64).reshape(1, HKV, D)
+    k = np.sin(0.37 * t + 0.011 * grid + 0.1 * layer + 0.003 * pos)
+    v = np.cos(0.23 * t - 0.017 * grid + 0.2 * layer + 0.002 * pos)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def make(num_blocks=256, block_size=16, layers=2, **kw):
+    return pagedkv.PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=HKV,
+                                head_dim=D, num_layers=layers, prefix_caching=True, **kw)
+
+
+def prefill(cache, sid, tokens, start=None):
+    """Append tokens[start:] on every layer (start: what the cache already holds)."""
+    start = cache.seq_len(sid) if start is None else start
+    for layer in range(cache.num_layers):
+        k, v = kv_for(tokens, layer)
+        cache.append(sid, k[start:], v[start:], layer=layer,
+                     token_ids=tokens[start:] if layer == 0 else None)
+
+
+def test_shared_1000_token_prompt_hits_62_blocks_and_attends_bit_for_bit(rng):
+    cache = make(num_blocks=200)
+    prompt = rng.integers(0, 32000, 1000).tolist()
+    a = cache.add_sequence(token_ids=prompt)
+    assert cache.seq_len(a) == 0
+    prefill(cache, a, prompt)
+    b = cache.add_sequence(token_ids=prompt)
+    assert cache.seq_len(b) == 992
+    st = cache.stats()
+    assert st.prefix_hit_blocks == 62 and st.prefix_hit_tokens == 992
+    assert st.prefix_miss_blocks == 62  # the first lookup found nothing
+    assert st.prefix_hit_rate == pytest.approx(0.5)
+    np.testing.assert_array_equal(cache.block_table(b), cache.block_table(a)[:62])
+    prefill(cache, b, prompt)  # the caller appends the rest: 8 tokens
+    assert cache.seq_len(b) == 1000
+    # a fresh computation: the same K/V appended in full to a cache without prefix caching
+    fresh = pagedkv.PagedKVCache(num_blocks=200, block_size=16, num_kv_heads=HKV, head_dim=D,
+                                 num_layers=2)
+    f = fresh.add_sequence()
+    for layer in range(2):
+        k, v = kv_for(prompt, layer)
+        fresh.append(f, k[:992], v[:992], layer=layer)
+    for layer in range(2):
+        k, v = kv_for(prompt, layer)
+        fresh.append(f, k[992:], v[992:], layer=layer)
+    q = rng.standard_normal((8, HQ, D), dtype=np.float32)
+    for layer in range(2):
+        np.testing.assert_array_equal(cache.attend(b, q, layer=layer),
+                                      fresh.attend(f, q, layer=layer))
+        np.testing.assert_array_equal(cache.gather(b, layer)[0], fresh.gather(f, layer)[0])
+    # decode on b after the hit: private blocks from here on, a's blocks untouched
+    k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    ka = cache.gather(a, 0)[0].copy()
+    for layer in range(2):
+        cache.append(b, k1, k1, layer=layer)
+    np.testing.assert_array_equal(cache.gather(a, 0)[0], ka)
+
+
+def test_block_registered_only_when_every_layer_wrote_it():
+    cache = make(layers=3)
+    prompt = list(range(40))
+    a = cache.add_sequence(token_ids=prompt)
+    k, v = kv_for(prompt, 0)
+    cache.append(a, k, v, layer=0, token_ids=prompt)
+    cache.append(a, *kv_for(prompt, 1), layer=1)
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt)) == 0  # layer 2 not written
+    cache.append(a, *kv_for(prompt, 2), layer=2)
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt)) == 32
+
+
+def test_reuse_capped_so_one_token_is_left_to_compute():
+    cache = make()
+    prompt = list(range(48))  # exactly 3 blocks
+    a = cache.add_sequence(token_ids=prompt)
+    prefill(cache, a, prompt)
+    b = cache.add_sequence(token_ids=prompt)
+    assert cache.seq_len(b) == 32  # not 48: the last token's logits must be computed
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt[:33])) == 32
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt[:32])) == 16
+    assert cache.seq_len(cache.add_sequence(token_ids=[])) == 0
+
+
+def test_token_ids_from_append_and_partial_matches():
+    cache = make()
+    a = cache.add_sequence()
+    toks = list(range(100, 150))
+    prefill(cache, a, toks)  # ids given to append, not to add_sequence
+    other = toks[:20] + [7] * 30  # diverges inside block 1
+    b = cache.add_sequence(token_ids=other)
+    assert cache.seq_len(b) == 16
+    # unknown ids (append without token_ids) register nothing
+    c = cache.add_sequence()
+    for layer in range(2):
+        cache.append(c, *kv_for(list(range(500, 540)), layer), layer=layer)
+    assert cache.seq_len(cache.add_sequence(token_ids=list(range(500, 540)))) == 0
+
+
+def test_cache_salt_keeps_prefixes_apart():
+    cache = make()
+    p = list(range(40))
+    a = cache.add_sequence(token_ids=p, cache_salt="tenant-a")
+    prefill(cache, a, p)
+    assert cache.seq_len(cache.add_sequence(token_ids=p, cache_salt="tenant-b")) == 0
+    assert cache.seq_len(cache.add_sequence(token_ids=p)) == 0
+    assert cache.seq_len(cache.add_sequence(token_ids=p, cache_salt="tenant-a")) == 32
+
+
+def test_hit_on_freed_but_cached_blocks():
+    cache = make(num_blocks=64)
+    p = list(range(64))
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)
+    cache.free(a)
+    st = cache.stats()
+    assert st.blocks_used == 0 and st.cached_free_blocks == 4  # all 4 full blocks registered
+    b = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(b) == 48  # capped: one token left to compute
+    assert cache.stats().cached_free_blocks == 1 and cache.stats().blocks_used == 3
+    k_ref = kv_for(p, 1)[0][:48]
+    np.testing.assert_array_equal(cache.gather(b, 1)[0], k_ref)
+
+
+def test_freed_cached_blocks_are_reused_least_recently_freed_first_tail_before_head():
+    cache = make(num_blocks=8, layers=1)
+    p1, p2 = list(range(33)), list(range(1000, 1033))
+    a = cache.add_sequence(token_ids=p1)
+    prefill(cache, a, p1)  # blocks 0, 1, 2 (2 holds one token)
+    b = cache.add_sequence(token_ids=p2)
+    prefill(cache, b, p2)  # blocks 3, 4, 5
+    ta, tb = cache.block_table(a).tolist(), cache.block_table(b).tolist()
+    cache.free(a)  # freed first
+    cache.free(b)
+    assert cache.stats().cached_free_blocks == 4
+    # the pool hands out never-used blocks 6, 7, then a's blocks tail first, then b's
+    order = cache._core.pool.free_blocks()
+    assert order[:2] == [6, 7]
+    assert order[2:5] == ta[::-1] and order[5:] == tb[::-1]
+    # taking 4 blocks (64 tokens) reuses 6, 7 and a's tail (2) and a's block 1: a's head
+    # block 0 and all of b's chain stay hit-able
+    c = cache.add_sequence()
+    cache.append(c, *kv_for(list(range(64)), 0), layer=0)
+    assert cache.seq_len(cache.add_sequence(token_ids=p2)) == 32
+    d = cache.add_sequence(token_ids=p1)
+    assert cache.seq_len(d) == 16  # block 0 survived, block 1 was handed out
+
+
+def test_forced_hash_collision_returns_no_wrong_kv(monkeypatch):
+    cache = make(layers=1)
+    monkeypatch.setattr(cache._prefix, "_hash", lambda parent, tokens, salt: 42)
+    p1, p2 = list(range(40)), list(range(900, 940))
+    a = cache.add_sequence(token_ids=p1)
+    prefill(cache, a, p1)
+    b = cache.add_sequence(token_ids=p2)  # every key collides with p1's block 0
+    assert cache.seq_len(b) == 0
+    prefill(cache, b, p2)
+    np.testing.assert_array_equal(cache.gather(b, 0)[0], kv_for(p2, 0)[0])
+    # same first block, different second: the colliding key must not chain on
+    p3 = p1[:16] + list(range(700, 724))
+    c = cache.add_sequence(token_ids=p3)
+    assert cache.seq_len(c) == 16
+    np.testing.assert_array_equal(cache.gather(c, 0)[0], kv_for(p1, 0)[0][:16])
+
+
+def test_fork_truncate_and_rewrite_keep_the_index_honest(rng):
+    cache = make(layers=1)
+    p = list(range(48))
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)
+    c = cache.fork(a)
+    cache.truncate(a, 20)  # block 1 kept partly: the next append rewrites it in place
+    new = list(range(5000, 5028))
+    k, v = kv_for(list(range(20)) + new, 0)
+    cache.append(a, k[20:], v[20:], layer=0, token_ids=new)
+    # the old block 1 is still the fork's (copy-on-write): prompt p still hits 32 tokens
+    d = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(d) == 32
+    np.testing.assert_array_equal(cache.gather(d, 0)[0], kv_for(p, 0)[0][:32])
+    # and a's new contents are found under their own ids
+    e = cache.add_sequence(token_ids=list(range(20)) + new)
+    assert cache.seq_len(e) == 32
+    np.testing.assert_array_equal(cache.gather(e, 0)[0], cache.gather(a, 0)[0][:32])
+    for s in (a, c, d, e):
+        cache.free(s)
+    # a private block truncated and rewritten in place is no longer hit-able under its old ids
+    f = cache.add_sequence(token_ids=p)
+    prefill(cache, f, p)
+    g = cache.add_sequence(token_ids=p)
+    prefill(cache, g, p)
+    cache.free(f)
+    cache.truncate(g, 20)
+    cache.append(g, k[20:], v[20:], layer=0, token_ids=new)
+    h = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(h) == 16  # block 0 still cached, block 1 forgotten
+    np.testing.assert_array_equal(cache.gather(h, 0)[0], kv_for(p, 0)[0][:16])
+
+
+def test_beam_search_width_4_never_leaks(rng):
+    bs = 8
+    cache = make(num_blocks=400, block_size=bs, layers=2)
+    prompt = rng.integers(0, 100, 37).tolist()
+    root = cache.add_sequence(token_ids=prompt)
+    prefill(cache, root, prompt)
+    beams = [root] + [cache.fork(root) for _ in range(3)]
+    for step in range(200):
+        survivors = rng.choice(4, size=4, replace=True)
+        new = [cache.fork(beams[i]) for i in survivors]
+        for s in beams:
+            cache.free(s)
+        beams = new
+        tok = rng.integers(0, 100, 4).tolist()
+        for layer in range(2):
+            k = rng.standard_normal((4, HKV, D), dtype=np.float32)
+            cache.append_batch(beams, k, k, layer=layer, token_ids=tok if layer == 0 else None)
+        if step % 50 == 0:
+            # another request with the same prompt reuses the cached prefix
+            extra = cache.add_sequence(token_ids=prompt)
+            assert cache.seq_len(extra) == 32
+            cache.free(extra)
+    refs = {}
+    for s in beams:
+        for b in cache.block_table(s).tolist():
+            refs[b] = refs.get(b, 0) + 1
+    for b, n in refs.items():
+        assert cache._core.ref_count(b) == n
+    assert cache.stats().blocks_used == len(refs)
+    for s in beams:
+        cache.free(s)
+    st = cache.stats()
+    assert st.blocks_used == 0 and st.blocks_free == 400
+    assert 0 < st.cached_free_blocks <= 400
+    assert all(cache._core.ref_count(b) == 0 for b in range(400))
+
+
+def test_prefix_caching_refuses_streaming_and_token_ids_without_it():
+    with pytest.raises(ValueError, match="StreamingLLM"):
+        make(streaming=pagedkv.StreamingLLM(4, 32))
+    with pytest.raises(TypeError, match="prefix_caching"):
+        pagedkv.PagedKVCache(8, 4, 1, 4, prefix_caching=1)
+    plain = pagedkv.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4)
+    s = plain.add_sequence()
+    k = np.zeros((2, 1, 4), np.float32)
+    with pytest.raises(TypeError, match="prefix_caching=True"):
+        plain.add_sequence(token_ids=[1, 2, 3])
+    with pytest.raises(TypeError, match="prefix_caching=True"):
+        plain.append(s, k, k, token_ids=[1, 2])
+    with pytest.raises(TypeError, match="prefix_caching=True"):
+        plain.append_batch([s], k[:1], k[:1], token_ids=[1])
+    assert plain.seq_len(s) == 0
+    cache = make()
+    a = cache.add_sequence()
+    with pytest.raises(ValueError, match="prefix_caching"):
+        cache.apply_streaming_llm(a, 4, 8)
+
+
+def test_bad_token_ids_raise_and_change_nothing():
+    cache = make()
+    a = cache.add_sequence()
+    k, v = kv_for(list(range(4)), 0)
+    before = snapshot(cache, [a])
+    with pytest.raises(ValueError, match="3 ids for 4 tokens"):
+        cache.append(a, k, v, token_ids=[1, 2, 3])
+    with pytest.raises(TypeError, match="integers"):
+        cache.append(a, k, v, token_ids=[1.5, 2, 3, 4])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        cache.add_sequence(token_ids=[[1, 2]])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        cache.add_sequence(token_ids="abc")
+    with pytest.raises(TypeError, match="hashable"):
+        cache.add_sequence(token_ids=[1], cache_salt=[1])
+    assert_unchanged(cache, before)
+    assert cache.sequence_ids() == [a]
+
+
+def test_add_sequence_hit_out_of_slots_changes_nothing():
+    cache = make(max_seqs=2, layers=1)
+    p = list(range(40))
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)
+    b = cache.add_sequence(token_ids=p)
+    before = snapshot(cache, [a, b])
+    st = cache.stats()
+    with pytest.raises(RuntimeError, match="max_seqs"):
+        cache.add_sequence(token_ids=p)
+    assert_unchanged(cache, before)
+    assert cache.stats().prefix_hit_blocks == st.prefix_hit_blocks
+
+
+def test_auto_evict_releases_prefix_state():
+    cache = make(num_blocks=6, layers=1, auto_evict=True)
+    p = list(range(40))
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)  # 3 blocks
+    b = cache.add_sequence()
+    evicted = cache.append(b, *kv_for(list(range(60)), 0), layer=0)  # 4 blocks: evicts a
+    assert evicted == (a,)
+    assert a not in cache._prefix._seqs
+    c = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(c) == 32  # b took the 3 never-used blocks and a's tail block
+    np.testing.assert_array_equal(cache.gather(c, 0)[0], kv_for(p, 0)[0][:32])
