@@ -260,10 +260,10 @@ KV_DTYPES = ("bfloat16", "float16", "int8")
 # bounds), for keys of normal spread
 KV_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2, "float32": 1e-5, "float64": 1e-12}
 # the same with a few key channels 20x larger: the storage itself loses more there (bfloat16's
-# 8-bit significand on the large scores; int8's group scale set by the outlier leaves the other 31
-# channels of its group few levels).  Measured over 10 seeds by benchmarks/accuracy.py: bf16 up to
-# 2.5e-2, f16 2.2e-3, int8 7.9e-2; the bounds are twice that, rounded.
-KV_TOL_OUTLIER = {"bfloat16": 5e-2, "float16": 5e-3, "int8": 1.6e-1, "float32": 1e-5,
+# 8-bit significand on the large scores; int8's group scale, set by the outlier, leaves the other
+# 31 channels of its group few levels).  Worst over benchmarks/accuracy.py's grid (10 seeds x 4
+# shapes): bf16 4.6e-2, f16 3.6e-3, int8 1.5e-1 (README, "Storage dtypes"); bounds ~30% above.
+KV_TOL_OUTLIER = {"bfloat16": 6e-2, "float16": 5e-3, "int8": 2e-1, "float32": 1e-5,
                   "float64": 1e-12}
 
 _FORMATS = {  # significand bits (with the implicit one), smallest normal exponent, largest finite
