@@ -14,14 +14,20 @@ cdef extern from "pagedkv/types.h" nogil:
     ctypedef enum pkv_dtype:
         PKV_F32
         PKV_F64
+        PKV_BF16
+        PKV_F16
+        PKV_I8
     ctypedef struct pkv_storage:
         pkv_dtype dtype
         int itemsize
+        int scaled
     ctypedef struct pkv_geom:
         int num_layers, hkv, bs, d
         pkv_storage store
         size_t row_bytes
         size_t head_bytes
+        size_t scale_row
+        size_t scale_offset
         size_t plane_bytes
         size_t block_bytes
     ctypedef struct pkv_segs:
@@ -39,9 +45,11 @@ cdef extern from "pagedkv/layout.h" nogil:
     int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_segs *s, int bs,
                       int64_t num_blocks)
     void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_t *table, int layer,
-                          int64_t slot0, int64_t n, const char *k, const char *v)
+                          int64_t slot0, int64_t n, const char *k, const char *v,
+                          int compute)
     void pkv_read_tokens(const pkv_geom *g, const char *arena, const int32_t *table, int layer,
-                         int64_t slot0, int64_t slot1, char *k, char *v)
+                         int64_t slot0, int64_t slot1, char *k, char *v,
+                         int compute)
     void pkv_copy_block(const pkv_geom *g, char *arena, int32_t dst, int32_t src)
 
 cdef extern from "pagedkv/attention.h" nogil:
@@ -56,6 +64,7 @@ cdef extern from "pagedkv/attention.h" nogil:
         const void *k
         const void *v
         size_t block_stride
+        size_t scale_offset
         int bs, hkv, hq, d
         int64_t nseq
         const int32_t *const *tables

@@ -144,6 +144,31 @@ def _dtype_code(dtype):
     return _DTYPES[name]
 
 
+cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
+                        "float16": PKV_F16, "int8": PKV_I8}
+_KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
+_KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
+
+
+def _kv_dtype_code(kv_dtype, int compute):
+    """Storage code for kv_dtype (None: the compute dtype)."""
+    if kv_dtype is None:
+        return compute
+    name = kv_dtype if isinstance(kv_dtype, str) else None
+    if name is None:
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {kv_dtype!r}") from None
+    if name not in _KV_DTYPES:
+        raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {name!r}")
+    code = _KV_DTYPES[name]
+    if code == PKV_F64 and compute == PKV_F32:
+        raise ValueError("kv_dtype='float64' needs dtype='float64' (storage wider than the "
+                         "arrays in and out would only waste memory); got dtype='float32'")
+    return code
+
+
 def _positive_int(name, value, minimum=1):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
@@ -176,6 +201,7 @@ cdef class CacheCore:
         readonly int64_t max_seqs
         readonly int64_t max_blocks_per_seq
         int compute               # pkv_dtype of the arrays passed in and returned
+        int storage               # pkv_dtype of K/V in the pool
         int typenum
         size_t itemsize
         const pkv_kernels *kernels
@@ -208,7 +234,7 @@ cdef class CacheCore:
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
                  dtype="float32", max_seqs=256, max_blocks_per_seq=None,
-                 rope_cos=None, rope_sin=None, bint lrf=False):
+                 rope_cos=None, rope_sin=None, bint lrf=False, kv_dtype=None):
         """lrf: the pool hands out its least recently freed blocks first (for
         caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
@@ -229,14 +255,16 @@ cdef class CacheCore:
         self.compute = _dtype_code(dtype)
         self.typenum = cnp.NPY_FLOAT32 if self.compute == PKV_F32 else cnp.NPY_FLOAT64
         self.itemsize = 4 if self.compute == PKV_F32 else 8
-        storage = self.compute
+        storage = _kv_dtype_code(kv_dtype, self.compute)
+        self.storage = storage
         self.kernels = pkv_kernels_for(storage, self.compute, _simd)
         if self.kernels == NULL:
-            raise ValueError(f"no kernels for storage {dtype!r} with compute {dtype!r}")
+            raise ValueError(f"no kernels for kv_dtype {_KV_NAMES[storage]!r} with dtype "
+                             f"{self.dtype.name!r}")
         self.sink_tokens = -1
         self.window_tokens = -1
         # sizes in Python integers first: no C overflow on absurd arguments
-        pool_bytes = 2 * nl * nb * hkv * bs * d * int(self.itemsize) + 64 * nb
+        pool_bytes = 2 * nl * nb * hkv * bs * (d * 8 + 8) + 64 * nb  # an upper bound
         meta_bytes = ms * (4 * mb + 8 * nl + 256)
         if pool_bytes + meta_bytes > 2**56:
             raise MemoryError(f"the cache would need {pool_bytes + meta_bytes} bytes")
@@ -306,6 +334,11 @@ cdef class CacheCore:
     @property
     def dtype(self):
         return np.dtype(np.float32 if self.compute == PKV_F32 else np.float64)
+
+    @property
+    def kv_dtype(self):
+        """How K/V are stored: 'float32', 'float64', 'bfloat16', 'float16' or 'int8'."""
+        return _KV_NAMES[self.storage]
 
     @property
     def num_free_blocks(self):
@@ -666,7 +699,8 @@ cdef class CacheCore:
 
     cdef inline void _write(self, Seq *s, int layer, int64_t slot0, int64_t n,
                             const char *k, const char *v) noexcept:
-        pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v)
+        pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v,
+                         self.compute)
         s.written[layer] = s.segs.b1 + s.off1
 
     cdef int _check_layer_append(self, const Seq *s, int layer, int64_t n) except -1:
@@ -752,7 +786,7 @@ cdef class CacheCore:
         v = self._input(v, "v", B, self.num_kv_heads, self.head_dim, "B")
         cdef const char *kp = <const char *>cnp.PyArray_DATA(k)
         cdef const char *vp = <const char *>cnp.PyArray_DATA(v)
-        cdef size_t tok = self.num_kv_heads * self.pool.geom.row_bytes
+        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
         self._check_idle()  # input conversion may have let another thread in
         for i in range(B):
             if self.b_seqs[i].sid != self.b_ids[i]:
@@ -806,6 +840,7 @@ cdef class CacheCore:
         a.k = self.pool.plane(layer)
         a.v = self.pool.plane(layer) + self.pool.geom.plane_bytes
         a.block_stride = self.pool.geom.block_bytes
+        a.scale_offset = self.pool.geom.scale_offset
         a.bs = self.block_size
         a.hkv = self.num_kv_heads
         a.hq = hq
@@ -910,15 +945,16 @@ cdef class CacheCore:
         cdef int l = self._check_layer(layer)
         cdef pkv_segs g = s.segs
         cdef int64_t held = pkv_held(&g), n0 = g.a1 - g.a0
-        cdef size_t tok = self.num_kv_heads * self.pool.geom.row_bytes
+        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
         k = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
         v = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
         cdef char *kp = <char *>cnp.PyArray_DATA(k)
         cdef char *vp = <char *>cnp.PyArray_DATA(v)
         with nogil:
-            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.a0, g.a1, kp, vp)
+            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.a0, g.a1, kp, vp,
+                            self.compute)
             pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.b0, g.b1,
-                            kp + n0 * tok, vp + n0 * tok)
+                            kp + n0 * tok, vp + n0 * tok, self.compute)
         return k, v
 
     # ------------------------------------------------------------------

@@ -51,7 +51,13 @@ class PagedKVCache:
         num_kv_heads: key/value heads (Hkv).
         head_dim: dimension of one head (D).
         num_layers: layers sharing the block tables.
-        dtype: "float32" or "float64".
+        dtype: "float32" or "float64": the arrays passed in and returned.
+        kv_dtype: how K/V are stored: None (= dtype), "float32", "float64"
+            (with dtype "float64" only), "bfloat16", "float16" or "int8"
+            (symmetric, one float32 scale per 32 values of a token's head
+            vector).  Appends round to it (nearest, ties to even); attention
+            converts on load, in the compute dtype; ``gather`` returns dtype
+            arrays.  See "Storage dtypes" in the README for the accuracy.
         max_seqs: live sequences at most (metadata is preallocated).
         max_blocks_per_seq: blocks one sequence may hold (None: num_blocks).
         streaming: None or ``StreamingLLM(sink_tokens, window_tokens)``: trim
@@ -145,6 +151,7 @@ class PagedKVCache:
         head_dim: int,
         num_layers: int = 1,
         dtype="float32",
+        kv_dtype=None,
         max_seqs: int = 256,
         max_blocks_per_seq: Optional[int] = None,
         streaming: Optional[StreamingLLM] = None,
@@ -182,7 +189,8 @@ class PagedKVCache:
         evictor_args = (eviction_strategy, eviction_threshold, on_evict)
         SequenceEvictor(None, *evictor_args)  # validates before the pool is allocated
         core = CacheCore(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
-                         max_seqs, max_blocks_per_seq, cos, sin, lrf=bool(prefix_caching))
+                         max_seqs, max_blocks_per_seq, cos, sin, lrf=bool(prefix_caching),
+                         kv_dtype=kv_dtype)
         self._core = core
         self._evictor = SequenceEvictor(core, *evictor_args)
         self._prefix = PrefixCache(core) if prefix_caching else None
@@ -212,8 +220,9 @@ class PagedKVCache:
     max_blocks_per_seq = property(lambda self: self._core.max_blocks_per_seq,
                                   doc="Blocks one sequence may hold.")
     dtype = property(lambda self: self._core.dtype, doc="dtype of arrays in and out.")
-    kv_dtype = property(lambda self: self._core.dtype.name,
-                        doc="How K/V are stored (the name of a dtype).")
+    kv_dtype = property(lambda self: self._core.kv_dtype,
+                        doc="How K/V are stored: 'float32', 'float64', 'bfloat16', "
+                            "'float16' or 'int8'.")
     prefix_caching = property(lambda self: self._prefix is not None,
                               doc="Whether prefix caching is on.")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
@@ -492,6 +501,8 @@ class PagedKVCache:
             extra += f", auto_evict={self.eviction_strategy.value!r}"
         if self._prefix is not None:
             extra += ", prefix_caching=True"
+        if core.kv_dtype != core.dtype.name:
+            extra += f", kv_dtype={core.kv_dtype}"
         return (
             f"PagedKVCache(blocks={core.num_blocks - core.num_free_blocks}/{core.num_blocks} used, "
             f"block_size={core.block_size}, kv_heads={core.num_kv_heads}, "

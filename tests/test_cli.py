@@ -36,7 +36,10 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
     assert len(dec) == 2 * 2 * len(threads)
     assert {r["dtype"] for r in dec} == {"float32", "float64"}
     want = {"pagedkv", "numpy", "numpy-gather"} | ({"torch-sdpa"} if HAVE_TORCH else set())
+    kv_rows = {"pagedkv-bf16": 1e-2, "pagedkv-f16": 1e-2, "pagedkv-i8": 3e-2}  # storage bounds
+    want |= set(kv_rows)
     for r in dec:
+        assert r["kv_dtypes"] == ["bfloat16", "float16", "int8"]
         assert set(r["results"]) == want
         assert set(r["ratios"]) == want - {"pagedkv"}
         assert all(_positive_finite(x) for x in r["ratios"].values())
@@ -45,10 +48,21 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
             assert _positive_finite(res["gbps"]) and _positive_finite(res["pct_bw"])
             assert len(res["samples_s"]) == 2
         for name, res in r["results"].items():
-            if name != "pagedkv":  # each baseline was checked against pagedkv
+            if name in kv_rows:  # storage dtypes: within their accuracy, and really rounded
+                assert 0 < res["max_rel_err_vs_pagedkv"] <= kv_rows[name]
+            elif name != "pagedkv":  # each baseline was checked against pagedkv
                 assert res["max_rel_err_vs_pagedkv"] <= 1e-4
     out = capsys.readouterr().out
     assert "Decode" in out and "Targets" in out and "pagedkv speedup" in out
+    assert "pagedkv-i8" in out
+
+
+def test_bench_decode_without_kv_dtypes(tmp_path):
+    data = _bench(tmp_path, "--suites", "decode", "--threads", "1", "--dtypes", "f32",
+                  "--no-torch", "--kv-dtypes", "none")
+    dec = [r for r in data["records"] if r["suite"] == "decode"]
+    assert dec and all(r["kv_dtypes"] == [] for r in dec)
+    assert all(set(r["results"]) == {"pagedkv", "numpy", "numpy-gather"} for r in dec)
 
 
 def test_bench_prefill_append_without_torch(tmp_path, capsys):

@@ -14,6 +14,11 @@ import tracemalloc
 import numpy as np
 
 import pagedkv
+import pytest
+from reference import ref_stored
+
+# every storage dtype under float32 arrays (None: float32 itself); conversion happens in C
+KV_DTYPES = [None, "bfloat16", "float16", "int8"]
 
 HKV, D, BS = 8, 128, 16
 N_APPENDS = 10_000
@@ -57,12 +62,14 @@ def _touch_whole_pool(cache, rng):
     assert cache.num_free_blocks == cache.num_blocks
 
 
-def test_single_token_appends_allocate_nothing(rng):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_single_token_appends_allocate_nothing(rng, kv_dtype):
     warm = 2 * BS  # warm-up ends on a block boundary, so the loop's block count is exact
     needed = -(-(warm + N_APPENDS) // BS)
     with _Traced():
         cache = pagedkv.PagedKVCache(
-            num_blocks=needed + 3, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype="float32"
+            num_blocks=needed + 3, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype="float32",
+            kv_dtype=kv_dtype,
         )
         _touch_whole_pool(cache, rng)
         sid = cache.add_sequence()
@@ -91,16 +98,18 @@ def test_single_token_appends_allocate_nothing(rng):
     assert rss_after - rss_before < MIB, rss_after - rss_before
     # And the tokens really landed.
     gk, gv = cache.gather(sid)
-    np.testing.assert_array_equal(gk[-1], k[0])
-    np.testing.assert_array_equal(gv[warm + 1234], v[0])
+    np.testing.assert_array_equal(gk[-1], ref_stored(k, kv_dtype, np.float32)[0])
+    np.testing.assert_array_equal(gv[warm + 1234], ref_stored(v, kv_dtype, np.float32)[0])
 
 
-def test_single_token_append_creates_no_temporary_arrays(rng):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_single_token_append_creates_no_temporary_arrays(rng, kv_dtype):
     """Not even a transient copy: the traced peak stays within 1 KiB of the starting size
     (a copied [8, 128] f32 token alone would be 4 KiB)."""
     with _Traced():
         cache = pagedkv.PagedKVCache(
-            num_blocks=40, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype="float32"
+            num_blocks=40, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype="float32",
+            kv_dtype=kv_dtype,
         )
         sid = cache.add_sequence()
         k = rng.standard_normal((1, HKV, D)).astype(np.float32)
@@ -122,7 +131,8 @@ def test_single_token_append_creates_no_temporary_arrays(rng):
     assert peak - start < KIB, peak - start
 
 
-def test_decode_step_with_out_allocates_nothing(rng):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_step_with_out_allocates_nothing(rng, kv_dtype):
     """append_batch + attend_batch(out=) for a batch of sequences, repeated: no growth."""
     batch, steps, hq = 4, 300, 32
     prompt = 40
@@ -130,7 +140,7 @@ def test_decode_step_with_out_allocates_nothing(rng):
     with _Traced():
         cache = pagedkv.PagedKVCache(
             num_blocks=batch * blocks_per_seq, block_size=BS, num_kv_heads=HKV, head_dim=D,
-            dtype="float32",
+            dtype="float32", kv_dtype=kv_dtype,
         )
         _touch_whole_pool(cache, rng)
         sids = np.array([cache.add_sequence() for _ in range(batch)], dtype=np.int64)
@@ -168,10 +178,12 @@ def test_decode_step_with_out_allocates_nothing(rng):
     assert np.isfinite(out).all()
 
 
-def test_attend_with_out_creates_no_temporary_arrays(rng):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attend_with_out_creates_no_temporary_arrays(rng, kv_dtype):
     hq = 32
     with _Traced():
-        cache = pagedkv.PagedKVCache(num_blocks=16, block_size=BS, num_kv_heads=HKV, head_dim=D)
+        cache = pagedkv.PagedKVCache(num_blocks=16, block_size=BS, num_kv_heads=HKV, head_dim=D,
+                                     kv_dtype=kv_dtype)
         sids = np.array([cache.add_sequence() for _ in range(2)], dtype=np.int64)
         tokens = rng.standard_normal((100, HKV, D)).astype(np.float32)
         for sid in sids:

@@ -31,9 +31,9 @@ def _cpu_flags():
 
 FLAGS = _cpu_flags()
 SUPPORTED = ["scalar"]
-if {"avx2", "fma"} <= FLAGS:
+if {"avx2", "fma", "f16c"} <= FLAGS:  # F16C: float16 storage (include/pagedkv/simd.h)
     SUPPORTED.append("avx2")
-if {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLAGS:
+if {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLAGS:
     SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
 if platform.machine().lower() in ("aarch64", "arm64"):
     SUPPORTED.append("neon")  # Advanced SIMD: part of every AArch64 CPU

@@ -9,6 +9,7 @@
  */
 #pragma once
 #include <math.h>
+#include "convert.h"
 #include "layout.h"
 #include "types.h"
 #include "simd.h"
@@ -31,6 +32,7 @@ typedef struct {
 typedef struct {
     const void *k, *v;            /* K / V plane of one layer in block 0 (layout: types.h) */
     size_t block_stride;          /* bytes from one block to the next */
+    size_t scale_offset;          /* int8 storage: from a plane to its scales (types.h) */
     int bs, hkv, hq, d;
     int64_t nseq;                 /* decode: batch; prefill: 1 */
     const int32_t *const *tables; /* per sequence */
@@ -67,14 +69,20 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
            PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * bs * itemsize) +
-           PKV_ALIGN_UP((size_t)bs * d * itemsize) + PKV_ALIGN;
+           PKV_ALIGN_UP(2 * (size_t)bs * d * itemsize) + PKV_ALIGN;
 }
 
 #define PKV_CAT_(a, b) a##b
 #define PKV_CAT(a, b) PKV_CAT_(a, b)
 
 /* Each instruction set maps the vocabulary of attn_math.h once per compute
- * type; attn_vocab_end.h undefines it again. */
+ * type, plus the load-and-convert vocabulary of the storage types (W stored
+ * values at p -> VEC of the compute type; attn_instances.h):
+ *   LD_F32(p)   float    (compute double only)
+ *   LD_BF16(p)  bfloat16 (uint16_t bits)
+ *   LD_F16(p)   float16  (uint16_t bits; F16C / AVX-512F conversion)
+ *   LD_I8(p)    int8, unscaled (the int8 kernels apply the group scale)
+ * attn_vocab_end.h undefines it again. */
 
 /* ---- scalar ------------------------------------------------------------- */
 #define VEC T
@@ -92,6 +100,10 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #define VREDUCE(x) (x)
 #define VROUND(x) ((T)nearbyint(x))
 #define VSCALE2K(p, k) ((T)ldexp((double)(p), (int)(k)))
+#define LD_F32(p) ((T) * (p))
+#define LD_BF16(p) ((T)pkv_bf16_to_f32(*(p)))
+#define LD_F16(p) ((T)pkv_f16_to_f32(*(p)))
+#define LD_I8(p) ((T) * (p))
 #define T float
 #define PKV_F64 0
 #define PKV_TAG _f32_scalar
@@ -118,7 +130,7 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #endif
 
 /* ---- AVX2 + FMA --------------------------------------------------------- */
-PKV_TARGET_BEGIN("avx2,fma")
+PKV_TARGET_BEGIN("avx2,fma,f16c")
 static inline float pkv_hsum256_ps(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -139,6 +151,12 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
     const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(ki, _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
 }
+/* 4 int8 values (32 bits) into the low lane of an xmm register */
+static inline __m128i pkv_load4_i8(const int8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return _mm_cvtsi32_si128(x);
+}
 #define PKV_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC __m256
 #define W 8
@@ -155,6 +173,9 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
 #define VREDUCE(x) pkv_hsum256_ps(x)
 #define VROUND(x) _mm256_round_ps(x, PKV_RN)
 #define VSCALE2K(p, k) pkv_scale2k256_ps(p, k)
+#define LD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define T float
 #define PKV_F64 0
 #define PKV_TAG _f32_avx2
@@ -175,6 +196,10 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
 #define VREDUCE(x) pkv_hsum256_pd(x)
 #define VROUND(x) _mm256_round_pd(x, PKV_RN)
 #define VSCALE2K(p, k) pkv_scale2k256_pd(p, k)
+#define LD_F32(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#define LD_BF16(p) _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(p))), 16)))
+#define LD_F16(p) _mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p))))
+#define LD_I8(p) _mm256_cvtepi32_pd(_mm_cvtepi8_epi32(pkv_load4_i8(p)))
 #define T double
 #define PKV_F64 1
 #define PKV_TAG _f64_avx2
@@ -183,7 +208,7 @@ static inline __m256d pkv_scale2k256_pd(__m256d p, __m256d k) {
 PKV_TARGET_END
 
 /* ---- AVX-512 (F, DQ, BW, VL) ------------------------------------------- */
-PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VEC __m512
 #define W 16
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -199,6 +224,9 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 #define VREDUCE(x) _mm512_reduce_add_ps(x)
 #define VROUND(x) _mm512_roundscale_ps(x, PKV_RN)
 #define VSCALE2K(p, k) _mm512_scalef_ps(p, k)
+#define LD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define T float
 #define PKV_F64 0
 #define PKV_TAG _f32_avx512
@@ -219,6 +247,10 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 #define VREDUCE(x) _mm512_reduce_add_pd(x)
 #define VROUND(x) _mm512_roundscale_pd(x, PKV_RN)
 #define VSCALE2K(p, k) _mm512_scalef_pd(p, k)
+#define LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+#define LD_BF16(p) _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
+#define LD_F16(p) _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#define LD_I8(p) _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define T double
 #define PKV_F64 1
 #define PKV_TAG _f64_avx512
@@ -235,12 +267,31 @@ PKV_TARGET_END
  * the exp clamp.  VROUND rounds ties to even, as nearbyint and
  * _MM_FROUND_TO_NEAREST_INT do, so every path computes the same exp.
  *
- * Storage formats narrower than the compute type load through one SLOAD
- * macro each on top of these (attn_instances.h), e.g. for f32 compute:
- *   bf16: vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
- *   f16:  vcvt_f32_f16(vld1_f16(p))
- * and for f64 compute the same followed by vcvt_f64_f32 of each half. */
+ * Storage loads: bfloat16 widens the 16 bits into the top of a float32,
+ * float16 converts with vcvt_f32_f16 (base AArch64), int8 widens twice; the
+ * float64 instances read 2 values and widen once more.  Loads narrower than
+ * 64 bits go through memcpy so no read passes the last stored value. */
 #include <arm_neon.h>
+#include <string.h>
+static inline uint16x4_t pkv_ld2_u16(const uint16_t *p) { /* 2 values, rest 0 */
+    uint32_t x;
+    memcpy(&x, p, 4);
+    return vreinterpret_u16_u32(vset_lane_u32(x, vdup_n_u32(0), 0));
+}
+static inline int8x8_t pkv_ld_i8_n(const int8_t *p, int n) { /* n = 2 or 4 */
+    uint32_t x = 0;
+    memcpy(&x, p, (size_t)n);
+    return vreinterpret_s8_u32(vset_lane_u32(x, vdup_n_u32(0), 0));
+}
+static inline float32x4_t pkv_bf16x4_f32(uint16x4_t h) {
+    return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
+}
+static inline float32x4_t pkv_f16x4_f32(uint16x4_t h) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+static inline float32x4_t pkv_i8x4_f32(int8x8_t b) {
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
 static inline float32x4_t pkv_scale2k_f32x4(float32x4_t p, float32x4_t k) {
     const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(e));
@@ -264,6 +315,9 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VREDUCE(x) vaddvq_f32(x)
 #define VROUND(x) vrndnq_f32(x)
 #define VSCALE2K(p, k) pkv_scale2k_f32x4(p, k)
+#define LD_BF16(p) pkv_bf16x4_f32(vld1_u16(p))
+#define LD_F16(p) pkv_f16x4_f32(vld1_u16(p))
+#define LD_I8(p) pkv_i8x4_f32(pkv_ld_i8_n(p, 4))
 #define T float
 #define PKV_F64 0
 #define PKV_TAG _f32_neon
@@ -284,6 +338,10 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VREDUCE(x) vaddvq_f64(x)
 #define VROUND(x) vrndnq_f64(x)
 #define VSCALE2K(p, k) pkv_scale2k_f64x2(p, k)
+#define LD_F32(p) vcvt_f64_f32(vld1_f32(p))
+#define LD_BF16(p) vcvt_f64_f32(vget_low_f32(pkv_bf16x4_f32(pkv_ld2_u16(p))))
+#define LD_F16(p) vcvt_f64_f32(vget_low_f32(pkv_f16x4_f32(pkv_ld2_u16(p))))
+#define LD_I8(p) vcvt_f64_f32(vget_low_f32(pkv_i8x4_f32(pkv_ld_i8_n(p, 2))))
 #define T double
 #define PKV_F64 1
 #define PKV_TAG _f64_neon
@@ -308,16 +366,25 @@ typedef struct {
 #else
 #define PKV_KERNELS_SIMD(st, ct)
 #endif
+#define PKV_KERNELS_ALL(st, ct) {[PKV_SIMD_SCALAR] = PKV_KERNELS(st, ct, scalar), PKV_KERNELS_SIMD(st, ct)}
 
-/* [storage][compute][ISA]; {NULL, NULL} where the triple is not built */
-static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_DTYPES][PKV_NUM_SIMD] = {
-    [PKV_F32][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(f32, f32, scalar), PKV_KERNELS_SIMD(f32, f32)},
-    [PKV_F64][PKV_F64] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(f64, f64, scalar), PKV_KERNELS_SIMD(f64, f64)},
+/* [storage][compute][ISA]; {NULL, NULL} where the triple is not built
+ * (storage wider than compute: float64 storage with float32 compute) */
+static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_NUM_SIMD] = {
+    [PKV_F32][PKV_F32] = PKV_KERNELS_ALL(f32, f32),
+    [PKV_F32][PKV_F64] = PKV_KERNELS_ALL(f32, f64),
+    [PKV_F64][PKV_F64] = PKV_KERNELS_ALL(f64, f64),
+    [PKV_BF16][PKV_F32] = PKV_KERNELS_ALL(bf16, f32),
+    [PKV_BF16][PKV_F64] = PKV_KERNELS_ALL(bf16, f64),
+    [PKV_F16][PKV_F32] = PKV_KERNELS_ALL(f16, f32),
+    [PKV_F16][PKV_F64] = PKV_KERNELS_ALL(f16, f64),
+    [PKV_I8][PKV_F32] = PKV_KERNELS_ALL(i8, f32),
+    [PKV_I8][PKV_F64] = PKV_KERNELS_ALL(i8, f64),
 };
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */
 static inline const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd) {
-    if (storage < 0 || storage >= PKV_NUM_DTYPES || compute < 0 || compute >= PKV_NUM_DTYPES ||
+    if (storage < 0 || storage >= PKV_NUM_DTYPES || compute < 0 || compute >= PKV_NUM_COMPUTE ||
         simd < 0 || simd >= PKV_NUM_SIMD)
         return NULL;
     const pkv_kernels *k = &pkv_kernel_table[storage][compute][simd];

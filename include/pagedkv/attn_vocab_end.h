@@ -15,6 +15,10 @@
 #undef VREDUCE
 #undef VROUND
 #undef VSCALE2K
+#undef LD_F32
+#undef LD_BF16
+#undef LD_F16
+#undef LD_I8
 #undef T
 #undef PKV_F64
 #undef PKV_TAG

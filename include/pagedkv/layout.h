@@ -7,6 +7,7 @@
 #pragma once
 #include <string.h>
 #include "types.h"
+#include "convert.h"
 
 /* 0 when the view is consistent: segments ordered and inside the blocks
  * held, every block id inside the pool. */
@@ -19,40 +20,52 @@ static inline int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_se
     return 0;
 }
 
-/* Write n tokens' K and V, each src[n][hkv][d] (storage type), into slots
- * [slot0, slot0 + n) of one layer.
+/* Write n tokens' K and V, each src[n][hkv][d] of the compute type `compute`
+ * (PKV_F32 / PKV_F64), into slots [slot0, slot0 + n) of one layer,
+ * converting to the storage type (convert.h).
  * (Streaming stores were measured and dropped: no faster for pools larger
  * than the caches, slower for pools that fit.) */
 static inline void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_t *table, int layer,
-                                    int64_t slot0, int64_t n, const char *k, const char *v) {
-    const size_t row = g->row_bytes, tok = (size_t)g->hkv * row;
-    const size_t koff = pkv_k_offset(g, layer);
+                                    int64_t slot0, int64_t n, const char *k, const char *v,
+                                    int compute) {
+    const size_t row = g->row_bytes, srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
+    const size_t hscales = (size_t)g->bs * g->scale_row; /* one head's scales */
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = slot0 + t;
-        char *kd = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff +
-                   (size_t)(slot % g->bs) * row;
-        char *vd = kd + g->plane_bytes;
+        char *kplane = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff;
+        char *vplane = kplane + g->plane_bytes;
+        const size_t at = (size_t)(slot % g->bs);
         for (int h = 0; h < g->hkv; h++) {
-            memcpy(kd + (size_t)h * g->head_bytes, k + (size_t)t * tok + (size_t)h * row, row);
-            memcpy(vd + (size_t)h * g->head_bytes, v + (size_t)t * tok + (size_t)h * row, row);
+            const size_t vo = (size_t)h * g->head_bytes + at * row;
+            const size_t so = g->scale_offset + (size_t)h * hscales + at * g->scale_row;
+            pkv_store_row(g, compute, kplane + vo, (float *)(kplane + so),
+                          k + (size_t)t * tok + (size_t)h * srow);
+            pkv_store_row(g, compute, vplane + vo, (float *)(vplane + so),
+                          v + (size_t)t * tok + (size_t)h * srow);
         }
     }
 }
 
 /* Copy the K and V of held slots [slot0, slot1) of one layer into
- * k, v [slot1 - slot0][hkv][d]. */
+ * k, v [slot1 - slot0][hkv][d] of the compute type, converting from storage. */
 static inline void pkv_read_tokens(const pkv_geom *g, const char *arena, const int32_t *table,
-                                   int layer, int64_t slot0, int64_t slot1, char *k, char *v) {
-    const size_t row = g->row_bytes, tok = (size_t)g->hkv * row;
-    const size_t koff = pkv_k_offset(g, layer);
+                                   int layer, int64_t slot0, int64_t slot1, char *k, char *v,
+                                   int compute) {
+    const size_t row = g->row_bytes, srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
+    const size_t hscales = (size_t)g->bs * g->scale_row;
     for (int64_t slot = slot0; slot < slot1; slot++) {
-        const char *ks = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff +
-                         (size_t)(slot % g->bs) * row;
-        const char *vs = ks + g->plane_bytes;
-        const size_t t = (size_t)(slot - slot0);
+        const char *kplane = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff;
+        const char *vplane = kplane + g->plane_bytes;
+        const size_t at = (size_t)(slot % g->bs), t = (size_t)(slot - slot0);
         for (int h = 0; h < g->hkv; h++) {
-            memcpy(k + t * tok + (size_t)h * row, ks + (size_t)h * g->head_bytes, row);
-            memcpy(v + t * tok + (size_t)h * row, vs + (size_t)h * g->head_bytes, row);
+            const size_t vo = (size_t)h * g->head_bytes + at * row;
+            const size_t so = g->scale_offset + (size_t)h * hscales + at * g->scale_row;
+            pkv_load_row(g, compute, k + t * tok + (size_t)h * srow, kplane + vo,
+                         (const float *)(kplane + so));
+            pkv_load_row(g, compute, v + t * tok + (size_t)h * srow, vplane + vo,
+                         (const float *)(vplane + so));
         }
     }
 }

@@ -41,7 +41,8 @@ static inline int pkv_detect_simd(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return PKV_SIMD_SCALAR;
     const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
-    if (!(osxsave && avx && fma)) return PKV_SIMD_SCALAR;
+    const int f16c = (c >> 29) & 1; /* half-precision loads of float16 storage */
+    if (!(osxsave && avx && fma && f16c)) return PKV_SIMD_SCALAR;
     const uint64_t xcr0 = pkv_xgetbv0();
     if ((xcr0 & 0x6) != 0x6) return PKV_SIMD_SCALAR;           /* xmm + ymm state */
     if (__get_cpuid_max(0, 0) < 7) return PKV_SIMD_SCALAR;

@@ -4,8 +4,9 @@
  * Pool layout: one 64-byte-aligned arena of num_blocks blocks.  A block holds
  * its tokens' K and V for every layer, "HND" inside each plane:
  *
- *   block b:  [layer][K | V][kv head][slot][dim]
- *             \__ plane: Hkv * bs * D stored values (plus nothing else yet) __/
+ *   block b:  [layer][K | V][kv head][slot][dim]  (+ scales, int8 only)
+ *             \__ plane: Hkv * bs * D stored values, then for int8 storage
+ *                 Hkv * bs * ceil(D / 32) float32 scales [kv head][slot][group] __/
  *
  *   K of (b, layer) = arena + b * block_bytes + (2 * layer) * plane_bytes
  *   V of (b, layer) = that + plane_bytes
@@ -34,24 +35,36 @@ static inline int pkv_have_openmp(void) { return 0; }
 #define PKV_ALIGN_UP(x) (((size_t)(x) + PKV_ALIGN - 1) & ~(size_t)(PKV_ALIGN - 1))
 
 /* Element types.  Compute (the arrays users pass in and get back) is F32 or
- * F64; storage (what the pool holds) is any of them.  The kernels are
- * dispatched on (storage, compute, instruction set): see attention.h. */
+ * F64 (the first PKV_NUM_COMPUTE codes); storage (what the pool holds) is
+ * any of them.  The kernels are dispatched on (storage, compute, instruction
+ * set): see attention.h.  Conversions between them: convert.h. */
 typedef enum {
     PKV_F32 = 0,
     PKV_F64 = 1,
-    PKV_NUM_DTYPES = 2
+    PKV_BF16 = 2, /* bfloat16: the top 16 bits of a float32 */
+    PKV_F16 = 3,  /* IEEE binary16 */
+    PKV_I8 = 4,   /* int8, symmetric, one float32 scale per PKV_I8_GROUP values */
+    PKV_NUM_DTYPES = 5
 } pkv_dtype;
+
+#define PKV_NUM_COMPUTE 2
+/* int8: consecutive values of one token's head vector that share a scale.
+ * The kernels' vector widths (1, 4, 8, 16 lanes) divide it, so a vector load
+ * at a multiple of its width never straddles two groups. */
+#define PKV_I8_GROUP 32
 
 /* How one storage type lays out a head vector of d values. */
 typedef struct {
     pkv_dtype dtype;
-    int itemsize; /* bytes per stored value */
+    int itemsize;  /* bytes per stored value */
+    int scaled;    /* 1: a float32 scale per PKV_I8_GROUP values (int8) */
 } pkv_storage;
 
 static inline pkv_storage pkv_storage_of(pkv_dtype t) {
     pkv_storage s;
     s.dtype = t;
-    s.itemsize = t == PKV_F64 ? 8 : 4;
+    s.itemsize = t == PKV_F64 ? 8 : t == PKV_F32 ? 4 : t == PKV_I8 ? 1 : 2;
+    s.scaled = t == PKV_I8;
     return s;
 }
 
@@ -60,10 +73,12 @@ static inline pkv_storage pkv_storage_of(pkv_dtype t) {
 typedef struct {
     int num_layers, hkv, bs, d;
     pkv_storage store;
-    size_t row_bytes;   /* one head vector of one token: d values */
-    size_t head_bytes;  /* one head of one block: bs rows */
-    size_t plane_bytes; /* K (or V) of one layer of one block: hkv heads */
-    size_t block_bytes; /* a whole block, 64-aligned: 2 * num_layers planes */
+    size_t row_bytes;    /* one head vector of one token: d values */
+    size_t head_bytes;   /* one head of one block: bs rows */
+    size_t scale_row;    /* scale bytes of one head vector (0 unless scaled) */
+    size_t scale_offset; /* from a plane's start to its scales [hkv][bs][groups] */
+    size_t plane_bytes;  /* K (or V) of one layer of one block: hkv heads (+ scales) */
+    size_t block_bytes;  /* a whole block, 64-aligned: 2 * num_layers planes */
 } pkv_geom;
 
 static inline pkv_geom pkv_geom_make(int num_layers, int hkv, int bs, int d, pkv_dtype store) {
@@ -75,7 +90,12 @@ static inline pkv_geom pkv_geom_make(int num_layers, int hkv, int bs, int d, pkv
     g.store = pkv_storage_of(store);
     g.row_bytes = (size_t)d * g.store.itemsize;
     g.head_bytes = (size_t)bs * g.row_bytes;
-    g.plane_bytes = (size_t)hkv * g.head_bytes;
+    g.scale_row = g.store.scaled ? sizeof(float) * (size_t)((d + PKV_I8_GROUP - 1) / PKV_I8_GROUP) : 0;
+    /* a plane holds whole values (and, int8, 4-aligned whole scales), so every
+     * plane starts aligned to its storage type's item */
+    g.scale_offset = (size_t)hkv * g.head_bytes;
+    if (g.store.scaled) g.scale_offset = (g.scale_offset + 3) & ~(size_t)3;
+    g.plane_bytes = g.scale_offset + (size_t)hkv * bs * g.scale_row;
     g.block_bytes = PKV_ALIGN_UP(2 * (size_t)num_layers * g.plane_bytes);
     return g;
 }

@@ -42,6 +42,8 @@ class Settings:
 
     threads: List[int]
     dtypes: List[str]
+    # storage dtypes the decode suite also times (same data, kv_dtype=...), vs pagedkv f32/f64
+    kv_dtypes: List[str] = field(default_factory=lambda: ["bfloat16", "float16", "int8"])
     repeats: int = 5
     quick: bool = False
     tiny: bool = False           # test-only: minute shapes, finishes in seconds
@@ -118,8 +120,27 @@ def parse_dtypes(text: str) -> List[str]:
     return out
 
 
+_KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "fp16": "float16",
+               "float16": "float16", "i8": "int8", "int8": "int8"}
+
+
+def parse_kv_dtypes(text: str) -> List[str]:
+    """'bf16,f16,i8' -> storage dtype names; 'none' or '' -> []."""
+    out: List[str] = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part or part == "none":
+            continue
+        if part not in _KV_ALIASES:
+            raise ValueError(f"unknown kv dtype {part!r}; expected bf16, f16, i8 or none")
+        if _KV_ALIASES[part] not in out:
+            out.append(_KV_ALIASES[part])
+    return out
+
+
 def short_dtype(dtype: str) -> str:
-    return {"float32": "f32", "float64": "f64"}.get(str(dtype), str(dtype))
+    return {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16",
+            "int8": "i8"}.get(str(dtype), str(dtype))
 
 
 # ---------------------------------------------------------------------------

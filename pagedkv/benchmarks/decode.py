@@ -16,6 +16,12 @@ Baselines, each checked once per configuration against pagedkv's output:
   exact for decode, and faster than ``enable_gqa=True``), K, V [B, Hkv, L, D]
   sharing memory with the NumPy arrays.
 
+Storage dtypes: ``pagedkv-bf16`` / ``-f16`` / ``-i8`` are the same call on a
+cache holding the same K/V with ``kv_dtype=`` bfloat16 / float16 / int8; their
+output is checked against pagedkv's within the storage's accuracy, and their
+ratio is pagedkv (f32/f64 storage) time / their time.  Their GB/s counts the
+bytes they read (the stored K+V, int8 scales included).
+
 Figures: GB/s = K+V bytes of the B sequences (read once per step) / time;
 %BW = that / measured read bandwidth at the same thread count; GFLOP/s =
 4 * B * Hq * L * D / time (two multiply-adds per key and query head element).
@@ -52,6 +58,13 @@ NUMPY = "numpy"
 GATHER = "numpy-gather"
 TORCH = "torch-sdpa"
 IMPLS = (PAGEDKV, NUMPY, GATHER, TORCH)
+# max |error| / max |pagedkv output| a storage dtype may add (random normal K/V; see the README's
+# accuracy table)
+KV_CHECK_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2}
+
+
+def kv_impl(kv_dtype: str) -> str:
+    return f"{PAGEDKV}-{short_dtype(kv_dtype)}"
 
 BLOCK_SIZE = 16
 # numpy-gather copies every byte it then reads (2-3x the traffic of the
@@ -103,7 +116,8 @@ def _softmax_rows_inplace(s):
 class _Case:
     """Data and implementations of one (dtype, B, L) configuration."""
 
-    def __init__(self, dtype: str, B: int, L: int, sh: Shape, torch, seed: int):
+    def __init__(self, dtype: str, B: int, L: int, sh: Shape, torch, seed: int,
+                 kv_dtypes=()):
         import pagedkv
 
         dt = np.dtype(dtype)
@@ -122,6 +136,15 @@ class _Case:
         self.sids = [self.cache.add_sequence() for _ in range(B)]
         _fill(self.cache, self.sids, self.K, self.V, BLOCK_SIZE)
         self.out = np.empty((B, sh.hq, sh.d), dtype=dt)
+        # the same K/V in each storage dtype: {kv_dtype: (cache, sids, out)}
+        self.kv: Dict[str, tuple] = {}
+        for kv_dtype in kv_dtypes:
+            c = pagedkv.PagedKVCache(num_blocks=B * nblk, block_size=BLOCK_SIZE,
+                                     num_kv_heads=sh.hkv, head_dim=sh.d, dtype=dtype,
+                                     kv_dtype=kv_dtype, max_seqs=B, max_blocks_per_seq=nblk)
+            sids = [c.add_sequence() for _ in range(B)]
+            _fill(c, sids, self.K, self.V, BLOCK_SIZE)
+            self.kv[kv_dtype] = (c, sids, np.empty_like(self.out), B * nblk * c.bytes_per_block)
         # numpy (contiguous) buffers
         self.qf = self.q.reshape(B, sh.hkv, G, sh.d)
         self.qs = np.empty_like(self.qf)
@@ -149,6 +172,15 @@ class _Case:
         attend, sids, q, out = self.cache.attend_batch, self.sids, self.q, self.out
         for _ in range(n):
             attend(sids, q, out=out)
+
+    def runner_kv(self, kv_dtype: str):
+        cache, sids, out, _ = self.kv[kv_dtype]
+        attend, q = cache.attend_batch, self.q
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                attend(sids, q, out=out)
+        return run
 
     def run_numpy(self, n: int) -> None:
         Kt = self.K.transpose(0, 1, 3, 2)
@@ -183,11 +215,17 @@ class _Case:
             return self.o.reshape(sh)
         if name == GATHER:
             return self.og.reshape(sh)
+        for kv_dtype, (_, _, out, _) in self.kv.items():
+            if name == kv_impl(kv_dtype):
+                return out
         return self.to.numpy().reshape(sh)
 
     def close(self) -> None:
         for sid in self.sids:
             self.cache.free(sid)
+        for cache, sids, _, _ in self.kv.values():
+            for sid in sids:
+                cache.free(sid)
         self.__dict__.clear()
 
 
@@ -197,7 +235,8 @@ def run(settings: Settings) -> List[dict]:
     recs: List[dict] = []
     for di, dtype in enumerate(settings.dtypes):
         for ci, (B, L) in enumerate(configs(settings)):
-            case = _Case(dtype, B, L, sh, torch, seed=1000 * di + ci)
+            case = _Case(dtype, B, L, sh, torch, seed=1000 * di + ci,
+                         kv_dtypes=settings.kv_dtypes)
             try:
                 skip_gather = (not settings.tiny and not settings.quick
                                and case.kv_bytes > GATHER_LIMIT_BYTES)
@@ -213,6 +252,8 @@ def run(settings: Settings) -> List[dict]:
                         impls[GATHER] = Impl(case.run_gather, cooldown=cool)
                     if torch is not None:
                         impls[TORCH] = Impl(case.run_torch)
+                    for kv_dtype in case.kv:
+                        impls[kv_impl(kv_dtype)] = Impl(case.runner_kv(kv_dtype))
                     label = f"decode {short_dtype(dtype)} t={t} B={B} L={L}"
                     if settings.progress is not None:
                         settings.progress.start(label)
@@ -233,27 +274,44 @@ def run(settings: Settings) -> List[dict]:
 
 def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
     want = case.outputs(PAGEDKV)
-    return {name: check_close(name, case.outputs(name), want, case.dtype)
-            for name in impls if name != PAGEDKV}
+    errors = {}
+    for name in impls:
+        if name == PAGEDKV:
+            continue
+        kv = [k for k in case.kv if kv_impl(k) == name]
+        if kv:
+            got = np.asarray(case.outputs(name), dtype=np.float64)
+            err = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-30)
+            if not err <= KV_CHECK_TOL[kv[0]]:
+                raise AssertionError(f"{name}: max error {err:.3g} / max |out| exceeds the "
+                                     f"storage's bound {KV_CHECK_TOL[kv[0]]:g}")
+            errors[name] = err
+        else:
+            errors[name] = check_close(name, case.outputs(name), want, case.dtype)
+    return errors
 
 
 def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -> dict:
     bw = settings.bw(t)
     results = {}
+    kv_names = {kv_impl(k): k for k in case.kv}
     for name, tm in timings.items():
         r = tm.as_dict()
-        r["gbps"] = case.kv_bytes / tm.median / 1e9
-        r["pct_bw"] = 100.0 * case.kv_bytes / tm.median / bw if bw else None
+        nbytes = case.kv[kv_names[name]][3] if name in kv_names else case.kv_bytes
+        r["gbps"] = nbytes / tm.median / 1e9
+        r["pct_bw"] = 100.0 * nbytes / tm.median / bw if bw else None
         r["gflops"] = case.flops / tm.median / 1e9
         if name != PAGEDKV:
             r["max_rel_err_vs_pagedkv"] = errors[name]
         results[name] = r
-    ratios = {name: paired_ratio(tm, timings[PAGEDKV])
+    # baselines: their time / pagedkv's; storage dtypes: pagedkv's time / theirs
+    ratios = {name: (paired_ratio(timings[PAGEDKV], tm) if name in kv_names
+                     else paired_ratio(tm, timings[PAGEDKV]))
               for name, tm in timings.items() if name != PAGEDKV}
     return {"suite": "decode", "dtype": case.dtype, "threads": t, "B": case.B, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "block_size": BLOCK_SIZE,
             "kv_bytes": case.kv_bytes, "flops": case.flops, "results": results,
-            "ratios": ratios, "skipped": skipped}
+            "ratios": ratios, "skipped": skipped, "kv_dtypes": list(case.kv)}
 
 
 def report(settings: Settings, recs: List[dict]) -> str:
@@ -265,11 +323,13 @@ def report(settings: Settings, recs: List[dict]) -> str:
             f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
             "%BW is against the\nmeasured read bandwidth at the same thread count; "
             "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
-            "faster);\nspread = (max - min) / median of the rounds.")
+            "faster);\nspread = (max - min) / median of the rounds.  pagedkv-bf16/f16/i8: "
+            "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
+            "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read.")
     rows = []
     for r in recs:
         first = True
-        for name in IMPLS:
+        for name in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", [])):
             res = r["results"].get(name)
             if res is None and not (name == TORCH or name in r["skipped"]):
                 continue

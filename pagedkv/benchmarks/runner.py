@@ -28,6 +28,7 @@ from pagedkv.benchmarks.common import (
     machine_info,
     numpy_threads_note,
     parse_dtypes,
+    parse_kv_dtypes,
     parse_threads,
     short_dtype,
     table,
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="thread counts, e.g. '1,all' (default) or '1,2,4'")
     p.add_argument("--dtypes", default="f32,f64", metavar="LIST",
                    help="f32, f64 or both (default: f32,f64)")
+    p.add_argument("--kv-dtypes", default="bf16,f16,i8", metavar="LIST",
+                   help="storage dtypes the decode suite times besides f32/f64 pagedkv "
+                        "(bf16, f16, i8; 'none' for none; default bf16,f16,i8)")
     p.add_argument("--suites", default=",".join(SUITES), metavar="LIST",
                    help=f"comma-separated subset of {','.join(SUITES)} (default: all)")
     p.add_argument("--no-torch", action="store_true",
@@ -96,12 +100,14 @@ def run_suites(args: argparse.Namespace, out=None):
     suites = parse_suites(args.suites)
     threads = parse_threads(args.threads)
     dtypes = parse_dtypes(args.dtypes)
+    kv_dtypes = parse_kv_dtypes(getattr(args, "kv_dtypes", "bf16,f16,i8"))
     if args.repeats is not None and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     quick = bool(args.quick)
     tiny = bool(getattr(args, "tiny", False))
     repeats = args.repeats if args.repeats is not None else (3 if (quick or tiny) else 5)
-    settings = Settings(threads=threads, dtypes=dtypes, repeats=repeats, quick=quick, tiny=tiny,
+    settings = Settings(threads=threads, dtypes=dtypes, kv_dtypes=kv_dtypes, repeats=repeats,
+                        quick=quick, tiny=tiny,
                         use_torch=not args.no_torch,
                         target=0.01 if tiny else (0.02 if quick else 0.05),
                         gap=0.0 if tiny else 0.01,
@@ -129,8 +135,9 @@ def run_suites(args: argparse.Namespace, out=None):
 
     _print(out, _header(info, settings, suites))
     results: Dict[str, object] = {"meta": {**info, "threads": threads, "dtypes": dtypes,
-                                           "suites": suites, "repeats": repeats, "quick": quick,
-                                           "tiny": tiny, "argv": sys.argv},
+                                           "kv_dtypes": kv_dtypes, "suites": suites,
+                                           "repeats": repeats, "quick": quick, "tiny": tiny,
+                                           "argv": sys.argv},
                                   "bandwidth": {}, "records": []}
     records: List[dict] = results["records"]  # type: ignore[assignment]
     status = 0

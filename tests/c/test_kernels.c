@@ -77,7 +77,7 @@ static void put(void *p, size_t i, int dt, double x) {
 
 /* ---- one random configuration ----------------------------------------- */
 typedef struct {
-    int dt, item, bs, d, hkv, hq, layers, nseq;
+    int st, dt, item, bs, d, hkv, hq, layers, nseq; /* storage, compute, compute's itemsize */
     int64_t num_blocks;
     pkv_geom g;
     char *arena;         /* the pool */
@@ -85,7 +85,8 @@ typedef struct {
     int32_t **tables;    /* per sequence */
     int64_t *nblk;
     pkv_segs *segs;
-    void **kref, **vref; /* [seq] -> [layer][held rank][hkv][d], dtype dt */
+    void **kref, **vref; /* [seq] -> [layer][held rank][hkv][d], dtype dt: the
+                          * values stored (read back when storage is narrower) */
     int rope_half;       /* 0: no RoPE */
     void *cos, *sin;     /* [max_pos][half] */
     int64_t max_pos;
@@ -100,7 +101,7 @@ static int64_t slot_of(const pkv_segs *sg, int64_t r) {
 }
 
 /* byte offset of one stored value, straight from the layout in types.h:
- * block = [layer][K | V][kv head][slot][dim] */
+ * block = [layer][K | V][kv head][slot][dim] (storage = compute only) */
 static size_t layout_offset(const config *c, int32_t block, int layer, int kv, int h, int slot,
                             int j) {
     const size_t per_head = (size_t)c->bs * c->d;
@@ -129,12 +130,28 @@ static void config_free(config *c) {
 static const int head_dims[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 67, 80, 96, 128, 130};
 static const int ratios[] = {1, 1, 2, 3, 4, 5, 8, 16};
 
+/* Worst allowed |stored - written| for x written into storage st from
+ * compute dt, where amax is the largest |value| of x's head vector (int8's
+ * scale group lies inside it): round to nearest in the storage's precision,
+ * plus f16's subnormal spacing; int8: half a scale step (scale = amax / 127
+ * rounded to float32) plus the float32 rounding of q * scale. */
+static double store_tol(int st, double x, double amax) {
+    switch (st) {
+    case PKV_F32: return ldexp(fabs(x), -24);
+    case PKV_BF16: return ldexp(fabs(x), -8);
+    case PKV_F16: return ldexp(fabs(x), -11) + ldexp(1.0, -25);
+    case PKV_I8: return amax / 254.0 * (1 + 1e-6) + ldexp(fabs(x), -23); /* + the product's rounding */
+    default: return 0;
+    }
+}
+
 /* A random pool with nseq sequences written through pkv_write_tokens.
  * `big`: one long MQA sequence with 32 query heads: enough work for 2
  * threads (PKV_PARALLEL_MIN) and keys for two chunks (PKV_SPLIT_MIN), so
  * decode splits its keys. */
-static void config_make(config *c, int dt, int big) {
+static void config_make(config *c, int st, int dt, int big) {
     memset(c, 0, sizeof *c);
+    c->st = st;
     c->dt = dt;
     c->item = dt == PKV_F64 ? 8 : 4;
     c->bs = rnd_int(0, 3) == 0 ? rnd_int(1, 4) : rnd_int(1, 64);
@@ -143,7 +160,7 @@ static void config_make(config *c, int dt, int big) {
     c->hq = c->hkv * (big ? 32 : ratios[rnd_int(0, (int)(sizeof ratios / sizeof *ratios) - 1)]);
     c->layers = rnd_int(1, 3);
     c->nseq = big ? 1 : rnd_int(1, 4);
-    c->g = pkv_geom_make(c->layers, c->hkv, c->bs, c->d, (pkv_dtype)dt);
+    c->g = pkv_geom_make(c->layers, c->hkv, c->bs, c->d, (pkv_dtype)st);
     c->tables = calloc(c->nseq, sizeof *c->tables);
     c->nblk = calloc(c->nseq, sizeof *c->nblk);
     c->segs = calloc(c->nseq, sizeof *c->segs);
@@ -216,10 +233,39 @@ static void config_make(config *c, int dt, int big) {
                     if (n > seg_hi[k] - slot) n = seg_hi[k] - slot;
                     pkv_write_tokens(&c->g, c->arena, c->tables[s], layer, slot, n,
                                      kl + (size_t)rank * tok * c->item,
-                                     vl + (size_t)rank * tok * c->item);
+                                     vl + (size_t)rank * tok * c->item, dt);
                     slot += n;
                     rank += n;
                 }
+            }
+            if (st != dt) {
+                /* narrower storage: what was stored is within the storage's
+                 * rounding of what was written, and becomes the reference */
+                char *kl_w = (char *)kl, *vl_w = (char *)vl;
+                const size_t bytes = (size_t)held * tok * c->item;
+                char *k = xalloc(bytes ? bytes : 1), *v = xalloc(bytes ? bytes : 1);
+                const int64_t n0 = sg->a1 - sg->a0;
+                pkv_read_tokens(&c->g, c->arena, c->tables[s], layer, sg->a0, sg->a1, k, v, dt);
+                pkv_read_tokens(&c->g, c->arena, c->tables[s], layer, sg->b0, sg->b1,
+                                k + (size_t)n0 * tok * c->item, v + (size_t)n0 * tok * c->item, dt);
+                for (int kv = 0; kv < 2; kv++) {
+                    const char *w = kv ? vl : kl, *got = kv ? v : k;
+                    for (size_t i = 0; i < (size_t)held * tok; i += c->d) {
+                        double amax = 0;
+                        for (int j = 0; j < c->d; j++)
+                            if (fabs(get(w, i + j, dt)) > amax) amax = fabs(get(w, i + j, dt));
+                        for (int j = 0; j < c->d; j++) {
+                            const double x = get(w, i + j, dt), y = get(got, i + j, dt);
+                            CHECK(fabs(x - y) <= store_tol(st, x, amax),
+                                  "storage %d: wrote %.9g, read back %.9g (d=%d, head amax %.9g, j=%d, compute %d)", st, x, y, c->d, amax, j, dt);
+                        }
+                    }
+                }
+                memcpy(kl_w, k, bytes);
+                memcpy(vl_w, v, bytes);
+                free(k);
+                free(v);
+                continue;
             }
             /* the expected image, value by value */
             for (int64_t r = 0; r < held; r++) {
@@ -260,6 +306,7 @@ static void config_make(config *c, int dt, int big) {
 static void check_layout(const config *c) {
     const size_t pool_bytes = (size_t)c->num_blocks * c->g.block_bytes;
     size_t bad = 0;
+    if (c->st != c->dt) bad = pool_bytes; /* narrower storage: checked by value in config_make */
     while (bad < pool_bytes && c->arena[bad] == c->expect[bad]) bad++;
     CHECK(bad == pool_bytes, "pool byte %zu differs from the layout (bs=%d d=%d hkv=%d layers=%d)",
           bad, c->bs, c->d, c->hkv, c->layers);
@@ -273,9 +320,9 @@ static void check_layout(const config *c) {
         const int layer = rnd_int(0, c->layers - 1);
         const int64_t held = held_of(c, s), n0 = sg->a1 - sg->a0;
         char *k = xalloc((size_t)held * tok * c->item), *v = xalloc((size_t)held * tok * c->item);
-        pkv_read_tokens(&c->g, c->arena, c->tables[s], layer, sg->a0, sg->a1, k, v);
+        pkv_read_tokens(&c->g, c->arena, c->tables[s], layer, sg->a0, sg->a1, k, v, c->dt);
         pkv_read_tokens(&c->g, c->arena, c->tables[s], layer, sg->b0, sg->b1,
-                        k + (size_t)n0 * tok * c->item, v + (size_t)n0 * tok * c->item);
+                        k + (size_t)n0 * tok * c->item, v + (size_t)n0 * tok * c->item, c->dt);
         const size_t off = (size_t)layer * held * tok * c->item;
         CHECK(memcmp(k, (const char *)c->kref[s] + off, (size_t)held * tok * c->item) == 0 &&
               memcmp(v, (const char *)c->vref[s] + off, (size_t)held * tok * c->item) == 0,
@@ -386,10 +433,17 @@ static double compare(const config *c, const void *out, size_t off, const double
     return worst;
 }
 
+/* the (storage, compute) pairs the kernel table builds */
+static const int pairs[][2] = {{PKV_F32, PKV_F32}, {PKV_F64, PKV_F64}, {PKV_F32, PKV_F64},
+                               {PKV_BF16, PKV_F32}, {PKV_BF16, PKV_F64}, {PKV_F16, PKV_F32},
+                               {PKV_F16, PKV_F64}, {PKV_I8, PKV_F32},   {PKV_I8, PKV_F64}};
+#define NPAIRS ((int)(sizeof pairs / sizeof *pairs))
+static const char *const dtype_names[PKV_NUM_DTYPES] = {"f32", "f64", "bf16", "f16", "i8"};
+
 typedef struct {
     long cases[PKV_NUM_SIMD];
     long threaded, split; /* decode calls that ran on 2 threads; that split keys */
-    double worst[PKV_NUM_SIMD][2]; /* per dtype: worst error / bound */
+    double worst[PKV_NUM_SIMD][NPAIRS]; /* per (storage, compute): worst error / bound */
 } tally;
 
 static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *q, void *out,
@@ -400,6 +454,7 @@ static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *
     a->k = c->arena + koff;
     a->v = c->arena + koff + c->g.plane_bytes;
     a->block_stride = c->g.block_bytes;
+    a->scale_offset = c->g.scale_offset;
     a->bs = c->bs;
     a->hkv = c->hkv;
     a->hq = c->hq;
@@ -426,7 +481,7 @@ static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *
 
 /* decode (all sequences) and prefill (each sequence's newest n ranks) on
  * every path, with 1 and 2 threads */
-static void check_attention(const config *c, tally *t, int big) {
+static void check_attention(const config *c, tally *t, int pair, int big) {
     const int d = c->d, dt = c->dt;
     const size_t row = (size_t)c->hq * d;
     const int layer = rnd_int(0, c->layers - 1);
@@ -465,7 +520,7 @@ static void check_attention(const config *c, tally *t, int big) {
     int64_t plan[3];
 
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
-        const pkv_kernels *kern = pkv_kernels_for(dt, dt, simd);
+        const pkv_kernels *kern = pkv_kernels_for(c->st, dt, simd);
         if (!pkv_simd_supported(simd) || !kern) continue;
         for (int nt = 1; nt <= max_threads; nt++) {
             pkv_attn_args a;
@@ -476,10 +531,10 @@ static void check_attention(const config *c, tally *t, int big) {
             memset(out, 0xFF, (size_t)c->nseq * row * c->item);
             kern->decode(&a);
             double w = compare(c, out, 0, refd, (size_t)c->nseq * row, vmaxd);
-            CHECK(isfinite(w), "decode %s %s threads=%d bs=%d d=%d hkv=%d hq=%d nseq=%d rope=%d split=%lld",
-                  simd_names[simd], dt ? "f64" : "f32", nt, c->bs, d, c->hkv, c->hq, c->nseq,
+            CHECK(isfinite(w), "decode %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nseq=%d rope=%d split=%lld",
+                  simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, c->nseq,
                   c->rope_half, (long long)plan[2]);
-            if (w > t->worst[simd][dt]) t->worst[simd][dt] = w;
+            if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->threaded += plan[0] > 1;
             t->split += plan[2] > 1;
 
@@ -493,10 +548,10 @@ static void check_attention(const config *c, tally *t, int big) {
             memset(out, 0xFF, (size_t)nq * row * c->item);
             kern->prefill(&a);
             w = compare(c, out, 0, refp, (size_t)nq * row, vmaxp);
-            CHECK(isfinite(w), "prefill %s %s threads=%d bs=%d d=%d hkv=%d hq=%d nq=%lld held=%lld rope=%d",
-                  simd_names[simd], dt ? "f64" : "f32", nt, c->bs, d, c->hkv, c->hq, (long long)nq,
+            CHECK(isfinite(w), "prefill %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nq=%lld held=%lld rope=%d",
+                  simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, (long long)nq,
                   (long long)held, c->rope_half);
-            if (w > t->worst[simd][dt]) t->worst[simd][dt] = w;
+            if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->cases[simd] += 2;
         }
     }
@@ -612,7 +667,8 @@ int main(int argc, char **argv) {
     if (!rng_s) rng_s = 1;
 
     const int best = pkv_detect_simd();
-    printf("architecture: %s; detected SIMD: %s; OpenMP: %s; trials: %d per dtype; seed %llu\n",
+    printf("architecture: %s; detected SIMD: %s; OpenMP: %s; trials: %d per compute dtype "
+           "(a third of that per narrower storage); seed %llu\n",
            PKV_X86 ? "x86-64" : PKV_ARM64 ? "aarch64" : "other", simd_names[best],
            pkv_have_openmp() ? "yes" : "no", trials, (unsigned long long)seed);
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
@@ -623,14 +679,17 @@ int main(int argc, char **argv) {
 
     tally t;
     memset(&t, 0, sizeof t);
-    for (int dt = 0; dt < 2; dt++) {
+    for (int dt = 0; dt < 2; dt++)
         for (int simd = 0; simd < PKV_NUM_SIMD; simd++)
             if (pkv_simd_supported(simd) && exp_fn(simd, dt)) check_exp(simd, dt);
-        for (int i = 0; i < trials; i++) {
+    for (int pair = 0; pair < NPAIRS; pair++) {
+        const int st = pairs[pair][0], dt = pairs[pair][1];
+        const int n = st == dt ? trials : (trials + 2) / 3;
+        for (int i = 0; i < n; i++) {
             config c;
-            config_make(&c, dt, i < 2); /* the first two: long, split over threads */
+            config_make(&c, st, dt, i < 2); /* the first two: long, split over threads */
             check_layout(&c);
-            check_attention(&c, &t, i < 2);
+            check_attention(&c, &t, pair, i < 2);
             config_free(&c);
         }
     }
@@ -639,8 +698,12 @@ int main(int argc, char **argv) {
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
         if (!t.cases[simd]) continue;
         ran_any = 1;
-        printf("  %-6s %5ld attention cases; worst error / tolerance: f32 %.3f, f64 %.3f\n",
-               simd_names[simd], t.cases[simd], t.worst[simd][0], t.worst[simd][1]);
+        printf("  %-6s %5ld attention cases; worst error / tolerance per storage/compute:",
+               simd_names[simd], t.cases[simd]);
+        for (int pair = 0; pair < NPAIRS; pair++)
+            printf("%s %s/%s %.3f", pair % 3 ? "," : "\n        ", dtype_names[pairs[pair][0]],
+                   dtype_names[pairs[pair][1]], t.worst[simd][pair]);
+        printf("\n");
     }
     for (int r = 0; r < nrequired; r++) {
         int found = 0;

@@ -1,0 +1,187 @@
+/* pagedkv/convert.h -- storage formats: scalar conversions between the
+ * compute types (float, double) and the storage types of types.h, and the
+ * row writers/readers that layout.h uses for appends and gathers.  The
+ * attention kernels convert on load with their own vector vocabulary
+ * (attention.h) and fall back to the scalar readers here for tails.
+ *
+ * Rounding is to nearest, ties to even, everywhere:
+ *   - float  -> bfloat16 / float16: on the bits (exact RNE);
+ *   - double -> bfloat16 / float16: double -> float rounded to odd, then the
+ *     float rule (round-to-odd with >= 2 spare bits makes the second rounding
+ *     exact, so there is no double rounding);
+ *   - int8: per group of PKV_I8_GROUP values of one head vector,
+ *     scale = (float)(amax / 127) with amax the largest finite |x|, then
+ *     q = rint(x * (1 / (double)scale)) clamped to [-127, 127]; value q * scale.
+ *     A group holding NaN or +-inf gets a NaN scale (it reads back as NaN, as
+ *     a float cache would poison that token's scores); other groups and other
+ *     tokens never see it.  All-zero groups get scale 0.
+ */
+#pragma once
+#include <math.h>
+#include <string.h>
+#include "types.h"
+
+static inline uint32_t pkv_f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static inline float pkv_bits_f32(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* ---- 16-bit formats: reading ---- */
+
+static inline float pkv_bf16_to_f32(uint16_t h) { return pkv_bits_f32((uint32_t)h << 16); }
+
+static inline float pkv_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in float */
+        const float x = (float)m * 5.9604644775390625e-8f;
+        return pkv_bits_f32(pkv_f32_bits(x) | sign);
+    }
+    if (e == 31) return pkv_bits_f32(sign | 0x7f800000u | (m << 13)); /* inf / NaN */
+    return pkv_bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/* ---- 16-bit formats: writing (RNE) ---- */
+
+static inline uint16_t pkv_f32_to_bf16(float x) {
+    const uint32_t u = pkv_f32_bits(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t pkv_f32_to_f16(float x) {
+    uint32_t u = pkv_f32_bits(x);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7e00;      /* NaN */
+    if (u >= 0x477ff000u) return sign | 0x7c00;     /* >= 65520 (and inf) -> inf */
+    if (u < 0x38800000u) {                          /* below 2^-14: subnormal half */
+        /* units of 2^-24; the scaling is exact, rintf rounds to even */
+        return sign | (uint16_t)rintf(pkv_bits_f32(u) * 16777216.0f);
+    }
+    /* rebias the exponent (127 -> 15) and round the 13 dropped bits; a carry
+     * into the exponent is the correct result */
+    return sign | (uint16_t)(((u + 0x0fffu + ((u >> 13) & 1)) >> 13) - (112u << 10));
+}
+
+/* double -> float rounded to odd: truncate toward zero, set the last bit when
+ * inexact (finite inputs beyond float's range give FLT_MAX, odd) */
+static inline float pkv_f64_to_f32_odd(double x) {
+    if (!(fabs(x) <= 3.4028234663852886e38)) {
+        if (isnan(x) || isinf(x)) return (float)x;
+        return x > 0 ? 3.4028234663852886e38f : -3.4028234663852886e38f;
+    }
+    float f = (float)x;
+    if ((double)f == x) return f;
+    uint32_t u = pkv_f32_bits(f);
+    if (fabs((double)f) > fabs(x)) u -= 1; /* rounded away from zero: step back */
+    return pkv_bits_f32(u | 1);
+}
+
+static inline uint16_t pkv_f64_to_bf16(double x) { return pkv_f32_to_bf16(pkv_f64_to_f32_odd(x)); }
+static inline uint16_t pkv_f64_to_f16(double x) { return pkv_f32_to_f16(pkv_f64_to_f32_odd(x)); }
+
+/* ---- rows: one head vector of d values ---- */
+
+/* int8 quantization of one group of n <= PKV_I8_GROUP values; returns the scale. */
+#define PKV_DEF_QUANT(name, T)                                                        \
+    static inline float name(int8_t *dst, const T *src, int n) {                      \
+        double amax = 0.0;                                                           \
+        int bad = 0;                                                                 \
+        for (int i = 0; i < n; i++) {                                                \
+            const double a = fabs((double)src[i]);                                   \
+            if (!(a <= 1.7976931348623157e308)) bad = 1; /* NaN or inf */           \
+            else if (a > amax) amax = a;                                             \
+        }                                                                            \
+        if (bad) {                                                                   \
+            memset(dst, 0, (size_t)n);                                               \
+            return NAN;                                                              \
+        }                                                                            \
+        const float scale = (float)(amax / 127.0);                                   \
+        const double inv = scale > 0 ? 1.0 / (double)scale : 0.0;                   \
+        for (int i = 0; i < n; i++) {                                                \
+            double q = rint((double)src[i] * inv);                                   \
+            q = q > 127.0 ? 127.0 : (q < -127.0 ? -127.0 : q);                       \
+            dst[i] = (int8_t)q;                                                      \
+        }                                                                            \
+        return scale;                                                                \
+    }
+PKV_DEF_QUANT(pkv_quant_group_f32, float)
+PKV_DEF_QUANT(pkv_quant_group_f64, double)
+#undef PKV_DEF_QUANT
+
+/* Store one head vector src[d] (compute type `compute`) as the storage type
+ * of g into dst (values) and scales (int8 only: ceil(d / 32) floats). */
+static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, float *scales,
+                                 const char *src) {
+    const int d = g->d;
+    const float *sf = (const float *)src;
+    const double *sd = (const double *)src;
+    switch (g->store.dtype) {
+    case PKV_F32:
+        if (compute == PKV_F32) memcpy(dst, src, (size_t)d * 4);
+        else for (int i = 0; i < d; i++) ((float *)dst)[i] = (float)sd[i];
+        break;
+    case PKV_F64: /* only with compute f64 (see CacheCore) */
+        if (compute == PKV_F64) memcpy(dst, src, (size_t)d * 8);
+        else for (int i = 0; i < d; i++) ((double *)dst)[i] = (double)sf[i];
+        break;
+    case PKV_BF16:
+        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f32_to_bf16(sf[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f64_to_bf16(sd[i]);
+        break;
+    case PKV_F16:
+        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f32_to_f16(sf[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f64_to_f16(sd[i]);
+        break;
+    case PKV_I8:
+        for (int i0 = 0, gi = 0; i0 < d; i0 += PKV_I8_GROUP, gi++) {
+            const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
+            scales[gi] = compute == PKV_F32
+                             ? pkv_quant_group_f32((int8_t *)dst + i0, sf + i0, n)
+                             : pkv_quant_group_f64((int8_t *)dst + i0, sd + i0, n);
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+/* Read one stored head vector back into dst[d] of the compute type. */
+static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const char *src,
+                                const float *scales) {
+    const int d = g->d;
+    if ((int)g->store.dtype == compute) {
+        memcpy(dst, src, g->row_bytes);
+        return;
+    }
+    for (int i = 0; i < d; i++) {
+        double x; /* every storage value is exact in double, and so is q * scale */
+        float xf = 0.0f;
+        switch (g->store.dtype) {
+        case PKV_F32: xf = ((const float *)src)[i]; x = xf; break;
+        case PKV_F64: x = ((const double *)src)[i]; break;
+        case PKV_BF16: xf = pkv_bf16_to_f32(((const uint16_t *)src)[i]); x = xf; break;
+        case PKV_F16: xf = pkv_f16_to_f32(((const uint16_t *)src)[i]); x = xf; break;
+        case PKV_I8:
+            /* the kernels compute (T)q * (T)scale; so does this */
+            if (compute == PKV_F32) {
+                xf = (float)((const int8_t *)src)[i] * scales[i / PKV_I8_GROUP];
+                x = xf;
+            } else {
+                x = (double)((const int8_t *)src)[i] * (double)scales[i / PKV_I8_GROUP];
+            }
+            break;
+        default: x = 0.0; break;
+        }
+        if (compute == PKV_F32) ((float *)dst)[i] = (float)x;
+        else ((double *)dst)[i] = x;
+    }
+}

@@ -1,0 +1,379 @@
+"""Storage dtypes (``kv_dtype``): conversion on write, conversion on load inside the kernels.
+
+Two separate claims, tested separately:
+
+* **Storage.**  ``gather`` returns exactly what the contract says a stored value reads back as
+  (``reference.ref_stored``: round to nearest even for bfloat16/float16, the int8 rule with a
+  float32 scale per 32 values), ties, subnormals, overflow and NaN/inf included.
+* **Kernels.**  Attention over stored K/V matches the float64 reference computed on those same
+  read-back values within the *compute* dtype's tolerance (1e-5 / 1e-12): the in-kernel
+  conversion loses nothing beyond the storage rounding.  Against the exact (unrounded) K/V the
+  error is the storage's: ``KV_TOL`` (bf16/f16 1e-2, int8 3e-2 of max |out|), with normal keys
+  and with keys whose few outlier channels are 20x larger.
+
+Every SIMD path the machine supports runs the kernel claims (in a fresh interpreter each).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pagedkv
+from reference import (KV_DTYPES, KV_TOL, KV_TOL_OUTLIER, assert_attention_close, build_random_cache, math_scale,
+                       random_tokens, ref_attention, ref_stored, snapshot, assert_unchanged)
+from test_simd_paths import PKG_PARENT, SUPPORTED, TESTS_DIR
+from test_streaming import rope_rotate
+
+# (kv_dtype, dtype) pairs below the compute dtype
+PAIRS = [(kv, dt) for dt in ("float32", "float64") for kv in KV_DTYPES] + [("float32", "float64")]
+PAIR_IDS = [f"{kv}-in-{dt}" for kv, dt in PAIRS]
+
+
+def _cache(kv_dtype, dtype="float32", num_blocks=64, block_size=16, hkv=2, d=64, **kw):
+    return pagedkv.PagedKVCache(num_blocks, block_size, hkv, d, dtype=dtype, kv_dtype=kv_dtype,
+                                **kw)
+
+
+def _roundtrip(kv_dtype, dtype, x):
+    """Append x [n, hkv, d] as K and -x as V; return the gathered (k, v)."""
+    n, hkv, d = x.shape
+    c = _cache(kv_dtype, dtype, num_blocks=n, block_size=1, hkv=hkv, d=d)
+    sid = c.add_sequence()
+    c.append(sid, x, -x)
+    return c.gather(sid)
+
+
+# ---------------------------------------------------------------------------
+# construction, properties, bytes
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS + [(None, "float32"), ("float64", "float64")])
+def test_kv_dtype_property_and_bytes(kv_dtype, dtype):
+    bs, hkv, d, layers = 16, 3, 70, 2
+    c = _cache(kv_dtype, dtype, num_blocks=5, block_size=bs, hkv=hkv, d=d, num_layers=layers)
+    name = kv_dtype or dtype
+    assert c.kv_dtype == name and c.dtype == np.dtype(dtype)
+    item = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[name]
+    plane = hkv * bs * d * item
+    if name == "int8":  # values, then float32 scales 4-aligned: ceil(70 / 32) = 3 per head vector
+        plane = -(-plane // 4) * 4 + hkv * bs * 3 * 4
+    expected = -(-(2 * layers * plane) // 64) * 64
+    assert c.bytes_per_block == expected
+    s = c.stats()
+    assert s.bytes_per_block == expected and s.bytes_total == 5 * expected
+    assert (f"kv_dtype={name}" in repr(c)) == (name != dtype)
+
+
+def test_kv_dtype_errors():
+    with pytest.raises(TypeError, match="kv_dtype must be"):
+        _cache("int4")
+    with pytest.raises(TypeError, match="kv_dtype must be"):
+        _cache(np.int16)
+    with pytest.raises(ValueError, match="kv_dtype='float64' needs dtype='float64'"):
+        _cache("float64", "float32")
+    assert _cache(np.float16).kv_dtype == "float16"
+    assert _cache(np.dtype("int8")).kv_dtype == "int8"
+
+
+# ---------------------------------------------------------------------------
+# storage: what a value reads back as
+
+
+def _f32_from_bits(bits):
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def _special_values(kv_dtype, dtype):
+    """Ties, near-ties, subnormals, overflow, signed zeros and a random spread of magnitudes."""
+    rng = np.random.default_rng(7)
+    mags = np.exp(rng.uniform(-100, 100, 600)) * rng.choice([-1, 1], 600)
+    vals = [0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 1e5, -1e5, 3.0e38, 3.3961e38,
+            6.1e-5, 5.9604645e-08, 2.9802322e-08, 8.9e-08, 1e-39, 1e-45, -1e-41, 1.1754944e-38]
+    if kv_dtype == "bfloat16":  # float32 bit patterns exactly halfway, both parities, and next to it
+        base = rng.integers(0x00800000, 0x7f000000, 200, dtype=np.uint32) & np.uint32(0xFFFF0000)
+        ties = np.concatenate([base | 0x8000, base | 0x18000, base | 0x7FFF, base | 0x8001])
+        vals += list(_f32_from_bits(ties).astype(np.float64))
+    if kv_dtype == "float16":
+        base = rng.integers(0x38800000, 0x47000000, 200, dtype=np.uint32) & np.uint32(0xFFFFE000)
+        ties = np.concatenate([base | 0x1000, base | 0x3000, base | 0x0FFF, base | 0x1001])
+        vals += list(_f32_from_bits(ties).astype(np.float64))
+    if dtype == "float64" and kv_dtype in ("bfloat16", "float16"):
+        # a tie of the 16-bit format nudged by far less than a float32 ulp: rounding through
+        # float32 first would land on the tie and round to even, which is wrong here
+        bits = 8 if kv_dtype == "bfloat16" else 11
+        m = rng.integers(2 ** (bits - 1), 2 ** bits, 200).astype(np.float64)
+        tie = np.ldexp(m + 0.5, -bits + 1)
+        vals += list(tie + np.ldexp(tie, -40)) + list(tie - np.ldexp(tie, -40)) + list(-tie)
+    x = np.concatenate([np.array(vals), mags])
+    if dtype == "float32":
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", [p for p in PAIRS if p[0] != "int8"],
+                         ids=[i for p, i in zip(PAIRS, PAIR_IDS) if p[0] != "int8"])
+def test_float_storage_rounds_to_nearest_even(kv_dtype, dtype):
+    x = _special_values(kv_dtype, dtype)
+    x = np.concatenate([x, [np.inf, -np.inf, np.nan]]).astype(dtype)
+    d = 8
+    x = np.concatenate([x, np.zeros((-len(x)) % d, dtype=dtype)]).reshape(-1, 1, d)
+    k, v = _roundtrip(kv_dtype, dtype, x)
+    assert k.dtype == np.dtype(dtype) and v.dtype == np.dtype(dtype)
+    expected = ref_stored(x, kv_dtype, dtype)
+    np.testing.assert_array_equal(k, expected)
+    np.testing.assert_array_equal(v, ref_stored(-x, kv_dtype, dtype))
+    # signs of zeros survive
+    assert np.array_equal(np.signbit(k[~np.isnan(k)]), np.signbit(expected[~np.isnan(expected)]))
+    if kv_dtype == "float16":  # the reference agrees with numpy's own (correctly rounded) cast
+        with np.errstate(over="ignore"):
+            np.testing.assert_array_equal(expected, x.astype(np.float16).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("d", [1, 31, 32, 37, 70, 128])
+def test_int8_storage_matches_the_quantization_rule(d, dtype):
+    rng = np.random.default_rng(d)
+    n, hkv = 40, 2
+    x = rng.standard_normal((n, hkv, d)) * np.exp(rng.uniform(-30, 30, (n, hkv, 1)))
+    x[0] = 0.0                                   # all-zero vectors: scale 0
+    x[1, 0, :] = 1e-40 * rng.standard_normal(d)  # tiny (the scale is subnormal in float32)
+    x[2, 1, ::3] *= 20.0                         # outlier channels
+    x[3] = np.round(x[3] * 4) / 4                # exact halves after scaling are possible
+    x = x.astype(dtype)
+    k, v = _roundtrip("int8", dtype, x)
+    np.testing.assert_array_equal(k, ref_stored(x, "int8", dtype))
+    np.testing.assert_array_equal(v, ref_stored(-x, "int8", dtype))
+    # the rule's own promise: error at most half a step of the group's scale
+    for g0 in range(0, d, 32):
+        g = x[..., g0:g0 + 32].astype(np.float64)
+        step = np.abs(g).max(axis=-1, keepdims=True) / 127.0
+        assert np.all(np.abs(k[..., g0:g0 + 32] - g) <= 0.5 * step * (1 + 1e-6) + 1e-300)
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
+def test_nan_and_inf_stay_in_their_own_token(kv_dtype, dtype):
+    """A token with NaN/inf in some channels changes no other token (int8: no other group of its
+    own head vector either), and attention of other sequences is unaffected."""
+    rng = np.random.default_rng(3)
+    hkv, d, n = 2, 70, 9
+    x = rng.standard_normal((n, hkv, d)).astype(dtype)
+    bad = x.copy()
+    bad[4, 0, 3] = np.nan
+    bad[4, 1, 40] = np.inf
+    bad[5, 0, 65] = -np.inf
+    c = _cache(kv_dtype, dtype, num_blocks=8, block_size=4, hkv=hkv, d=d)
+    s_bad, s_ok = c.add_sequence(), c.add_sequence()
+    c.append(s_bad, bad, bad)
+    c.append(s_ok, x, x)
+    k, v = c.gather(s_bad)
+    ok = np.ones((n, hkv), dtype=bool)
+    ok[4, :] = ok[5, 0] = False
+    expected = ref_stored(x, kv_dtype, dtype)
+    np.testing.assert_array_equal(k[ok], expected[ok])
+    np.testing.assert_array_equal(v[ok], expected[ok])
+    if kv_dtype == "int8":  # the other groups of the poisoned head vectors are intact
+        np.testing.assert_array_equal(k[4, 0, 32:], expected[4, 0, 32:])
+        np.testing.assert_array_equal(k[4, 1, :32], expected[4, 1, :32])
+        np.testing.assert_array_equal(k[4, 1, 64:], expected[4, 1, 64:])
+        assert np.isnan(k[4, 0, :32]).all() and np.isnan(k[4, 1, 32:64]).all()
+    else:
+        assert np.isnan(k[4, 0, 3]) and k[4, 1, 40] == np.inf and k[5, 0, 65] == -np.inf
+    q = rng.standard_normal((1, 2 * hkv, d)).astype(dtype)
+    kg, vg = c.gather(s_ok)
+    np.testing.assert_array_equal(kg, expected)
+    out = c.attend(s_ok, q)
+    assert_attention_close(out, ref_attention(q, kg, vg, math_scale(d), n - 1), dtype, vg)
+
+
+# ---------------------------------------------------------------------------
+# kernels: exact in-kernel conversion, then the storage's accuracy
+
+
+KERNEL_CASES = [  # block_size, head_dim, num_kv_heads, ratio, lengths
+    (16, 128, 2, 4, [300, 37, 129]),
+    (1, 5, 2, 1, [9, 1]),
+    (3, 37, 1, 3, [40, 7]),
+    (64, 70, 2, 2, [200, 65]),
+    (7, 32, 4, 8, [50]),
+]
+
+
+def _check_kernels(rng, kv_dtype, dtype, case):
+    """Decode (batch and single) and prefill against the reference on the read-back K/V."""
+    bs, d, hkv, ratio, lengths = case
+    cache, sids, models = build_random_cache(
+        rng, lengths=lengths, block_size=bs, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+        max_chunk=64, kv_dtype=kv_dtype)
+    hq = hkv * ratio
+    q = random_tokens(rng, len(sids), hq, d, dtype)
+    out = cache.attend_batch(sids, q)
+    for b, sid in enumerate(sids):
+        m = models[sid]
+        kg, vg = cache.gather(sid)
+        np.testing.assert_array_equal(kg, ref_stored(m.k[0], kv_dtype, dtype))
+        np.testing.assert_array_equal(vg, ref_stored(m.v[0], kv_dtype, dtype))
+        exp = ref_attention(q[b:b + 1], kg, vg, math_scale(d), len(m) - 1)
+        assert_attention_close(out[b:b + 1], exp, dtype, vg)
+        n = min(len(m), 40)
+        qp = random_tokens(rng, n, hq, d, dtype)
+        exp = ref_attention(qp, kg, vg, math_scale(d), len(m) - n)
+        assert_attention_close(cache.attend(sid, qp), exp, dtype, vg)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"bs{c[0]}-d{c[1]}-h{c[2]}x{c[3]}")
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
+def test_kernels_convert_exactly(rng, kv_dtype, dtype, case):
+    _check_kernels(rng, kv_dtype, dtype, case)
+
+
+def _keys(rng, length, hkv, d, outliers):
+    k = rng.standard_normal((length, hkv, d))
+    if outliers:  # a few channels 20x larger, as real models' keys have
+        k[..., rng.choice(d, 4, replace=False)] *= 20.0
+    return k
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["normal", "outlier-keys"])
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
+def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
+    """max |out - exact| / max |exact| within the storage's bound (decode and prefill rows), and
+    no worse than the same attention computed in float64 on the stored values."""
+    bs, hkv, ratio, d, length = 16, 2, 4, 128, 500
+    c = _cache(kv_dtype, dtype, num_blocks=40, block_size=bs, hkv=hkv, d=d)
+    sid = c.add_sequence()
+    k = _keys(rng, length, hkv, d, outliers)
+    v = rng.standard_normal((length, hkv, d))
+    c.append(sid, k.astype(dtype), v.astype(dtype))
+    q = rng.standard_normal((32, hkv * ratio, d))
+    out = c.attend(sid, q.astype(dtype))
+    exact = ref_attention(q, k.astype(dtype), v.astype(dtype), math_scale(d), length - 32)
+    err = np.abs(out - exact).max() / np.abs(exact).max()
+    assert err <= (KV_TOL_OUTLIER if outliers else KV_TOL)[kv_dtype], err
+    assert err > 0  # the storage really rounds (or the test would not be testing it)
+    kg, vg = c.gather(sid)
+    storage_only = ref_attention(q, kg, vg, math_scale(d), length - 32)
+    floor = np.abs(storage_only - exact).max() / np.abs(exact).max()
+    assert err <= floor + 10 * KV_TOL[dtype], (err, floor)
+
+
+# ---------------------------------------------------------------------------
+# every feature with every kv_dtype
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
+def test_rope_streaming_layers_with_kv_dtype(rng, kv_dtype, dtype):
+    """StreamingLLM + in-kernel RoPE + 2 layers: the kept tokens read back as the rule says, and
+    attention equals the reference on them (rotated by rank)."""
+    bs, hkv, d, hq, layers = 4, 2, 40, 4, 2
+    rope = pagedkv.RoPE(theta=10000.0, rotary_dim=32)
+    c = _cache(kv_dtype, dtype, num_blocks=12, block_size=bs, hkv=hkv, d=d, num_layers=layers,
+               streaming=pagedkv.StreamingLLM(sink_tokens=3, window_tokens=9), rope=rope)
+    sid = c.add_sequence()
+    ks = [[] for _ in range(layers)]
+    vs = [[] for _ in range(layers)]
+    for step in range(14):
+        n = int(rng.integers(1, 4))
+        for layer in range(layers):
+            k = random_tokens(rng, n, hkv, d, dtype)
+            v = random_tokens(rng, n, hkv, d, dtype)
+            c.append(sid, k, v, layer=layer)
+            ks[layer].append(k)
+            vs[layer].append(v)
+            kept = c.kept_positions(sid)
+            held = len(kept)
+            kg, vg = c.gather(sid, layer=layer)
+            np.testing.assert_array_equal(
+                kg, ref_stored(np.concatenate(ks[layer])[kept], kv_dtype, dtype))
+            np.testing.assert_array_equal(
+                vg, ref_stored(np.concatenate(vs[layer])[kept], kv_dtype, dtype))
+            q = random_tokens(rng, n, hq, d, dtype)
+            out = c.attend(sid, q, layer=layer)
+            kr = rope_rotate(kg, np.arange(held), 10000.0, 32)
+            qr = rope_rotate(q, np.arange(held - n, held), 10000.0, 32)
+            assert_attention_close(out, ref_attention(qr, kr, vg, math_scale(d), held - n),
+                                   dtype, vg)
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
+def test_fork_cow_and_truncate_with_kv_dtype(rng, kv_dtype, dtype):
+    bs, hkv, d = 8, 2, 48
+    c = _cache(kv_dtype, dtype, num_blocks=20, block_size=bs, hkv=hkv, d=d)
+    parent = c.add_sequence()
+    base = random_tokens(rng, 21, hkv, d, dtype)
+    c.append(parent, base, 2 * base)
+    child = c.fork(parent)
+    extra_p = random_tokens(rng, 5, hkv, d, dtype)
+    extra_c = random_tokens(rng, 6, hkv, d, dtype)
+    c.append(parent, extra_p, extra_p)
+    c.append(child, extra_c, extra_c)
+    assert c.stats().cow_copies >= 1
+    for sid, extra in ((parent, extra_p), (child, extra_c)):
+        k, v = c.gather(sid)
+        np.testing.assert_array_equal(k, ref_stored(np.concatenate([base, extra]), kv_dtype, dtype))
+        np.testing.assert_array_equal(
+            v, ref_stored(np.concatenate([2 * base, extra]), kv_dtype, dtype))
+    c.truncate(child, 10)
+    again = random_tokens(rng, 3, hkv, d, dtype)
+    c.append(child, again, again)
+    k, v = c.gather(child)
+    np.testing.assert_array_equal(k, ref_stored(np.concatenate([base[:10], again]), kv_dtype, dtype))
+    q = random_tokens(rng, 2, 2 * hkv, d, dtype)
+    assert_attention_close(c.attend(child, q), ref_attention(q, k, v, math_scale(d), 11), dtype, v)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_save_load_and_atomic_errors_with_kv_dtype(rng, tmp_path, kv_dtype):
+    c = _cache(kv_dtype, num_blocks=10, block_size=4, hkv=2, d=40)
+    sid = c.add_sequence()
+    c.append(sid, random_tokens(rng, 13, 2, 40, "float32"), random_tokens(rng, 13, 2, 40, "float32"))
+    before = snapshot(c, [sid])
+    with pytest.raises(ValueError, match="shape"):
+        c.append(sid, np.zeros((2, 2, 41), np.float32), np.zeros((2, 2, 41), np.float32))
+    assert_unchanged(c, before)
+    path = tmp_path / "seq.pkv"
+    c.save(sid, path)
+    c2 = _cache(kv_dtype, num_blocks=10, block_size=4, hkv=2, d=40)
+    sid2 = c2.load(path)
+    for a, b in zip(c.gather(sid), c2.gather(sid2)):
+        np.testing.assert_array_equal(a, b)
+    other = "float16" if kv_dtype != "float16" else "bfloat16"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        _cache(other, num_blocks=10, block_size=4, hkv=2, d=40).load(path)
+
+
+# ---------------------------------------------------------------------------
+# every SIMD path
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    import pagedkv
+    from test_kv_dtype import KERNEL_CASES, PAIRS, _check_kernels
+
+    wanted = os.environ.get("PAGEDKV_SIMD")
+    assert pagedkv.simd_backend() == wanted, (pagedkv.simd_backend(), wanted)
+    rng = np.random.default_rng(20261123)
+    for kv_dtype, dtype in PAIRS:
+        for case in KERNEL_CASES:
+            _check_kernels(rng, kv_dtype, dtype, case)
+    print("KV-SIMD-OK")
+    """
+)
+
+
+@pytest.mark.parametrize("backend", SUPPORTED)
+def test_every_simd_path_converts_exactly(backend):
+    env = dict(os.environ, PAGEDKV_SIMD=backend, PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=TESTS_DIR)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "KV-SIMD-OK" in proc.stdout
