@@ -1,0 +1,204 @@
+/* decode_ceiling.c -- decode against its read ceilings, without Python.
+ *
+ * One pool holding B sequences of L tokens (1 layer, Hkv heads, head dim D,
+ * block size bs), their blocks in a shuffled physical order.  Interleaved
+ * rounds of three timings, each reported as GB/s of K+V bytes:
+ *
+ *   seq      the core's sequential read kernel (pkv_read_sum) over a buffer
+ *            of the same size as the pool
+ *   pattern  pkv_read_pattern (kvread.h): K plane then V plane of every
+ *            block, in the sequences' block-table order
+ *   decode   the core's decode kernel (attention.h) on the same pool
+ *
+ * and decode as % of pattern and of seq.  The kernels are the project's own
+ * headers, compiled with the flags of setup.py (no -m flags: the SIMD path is
+ * chosen at run time, PAGEDKV_SIMD=scalar|avx2|avx512 forces one).  Build and
+ * run: see run.sh next to this file.
+ *
+ * usage: decode_ceiling [f32|f64] B L threads rounds [Hq Hkv D bs]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pagedkv/attention.h"
+#include "pagedkv/kvread.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void) { /* xorshift64* */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1Dull;
+}
+static double urand(void) { return (double)(rng() >> 11) / 9007199254740992.0 * 2.0 - 1.0; }
+
+static void *xalloc(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    memset(p, 0, n);
+    return p;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void summary(const char *name, double *t, int n, double bytes, double *med_out) {
+    qsort(t, n, sizeof(double), cmp_d);
+    const double med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    printf("  %-8s median %8.3f ms  %6.2f GB/s  (best %6.2f, worst %6.2f GB/s)\n", name,
+           med * 1e3, bytes / med / 1e9, bytes / t[0] / 1e9, bytes / t[n - 1] / 1e9);
+    *med_out = med;
+}
+
+static int simd_from_env(void) {
+    const int det = pkv_detect_simd();
+    const char *e = getenv("PAGEDKV_SIMD");
+    if (!e || !*e) return det;
+    int want = !strcmp(e, "scalar") ? PKV_SIMD_SCALAR : !strcmp(e, "avx2") ? PKV_SIMD_AVX2
+             : !strcmp(e, "avx512") ? PKV_SIMD_AVX512 : -1;
+    if (want < 0 || want > det) {
+        fprintf(stderr, "PAGEDKV_SIMD=%s not available here\n", e);
+        exit(2);
+    }
+    return want;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s f32|f64 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
+        return 2;
+    }
+    const int f64 = !strcmp(argv[1], "f64");
+    const int64_t B = atoll(argv[2]), L = atoll(argv[3]);
+    const int nthreads = atoi(argv[4]), rounds = atoi(argv[5]);
+    const int hq = argc > 6 ? atoi(argv[6]) : 32, hkv = argc > 7 ? atoi(argv[7]) : 8;
+    const int d = argc > 8 ? atoi(argv[8]) : 128, bs = argc > 9 ? atoi(argv[9]) : 16;
+    if (B < 1 || L < 1 || nthreads < 1 || rounds < 1 || hkv < 1 || hq % hkv || d < 1 || bs < 1) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+    const int simd = simd_from_env();
+    const pkv_dtype dt = f64 ? PKV_F64 : PKV_F32;
+    const size_t item = f64 ? 8 : 4;
+    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, dt);
+    const int64_t nblk = (L + bs - 1) / bs, nb = B * nblk;
+
+    /* pool, blocks shuffled */
+    char *arena = xalloc((size_t)nb * g.block_bytes);
+    int32_t *perm = xalloc(sizeof(int32_t) * nb);
+    for (int64_t i = 0; i < nb; i++) perm[i] = (int32_t)i;
+    for (int64_t i = nb - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(rng() % (uint64_t)(i + 1));
+        const int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int32_t **tables = xalloc(sizeof(int32_t *) * B);
+    pkv_segs *segs = xalloc(sizeof(pkv_segs) * B);
+    for (int64_t b = 0; b < B; b++) {
+        tables[b] = perm + b * nblk;
+        segs[b].a0 = segs[b].a1 = segs[b].b0 = 0;
+        segs[b].b1 = L;
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        char *blk = arena + (size_t)i * g.block_bytes;
+        const size_t n = 2 * g.plane_bytes / item;
+        for (size_t j = 0; j < n; j++) {
+            if (f64) ((double *)blk)[j] = urand();
+            else ((float *)blk)[j] = (float)urand();
+        }
+    }
+    char *q = xalloc((size_t)B * hq * d * item), *out = xalloc((size_t)B * hq * d * item);
+    for (size_t j = 0; j < (size_t)B * hq * d; j++) {
+        if (f64) ((double *)q)[j] = urand();
+        else ((float *)q)[j] = (float)urand();
+    }
+    const size_t stride = PKV_ALIGN_UP(pkv_scratch_bytes(bs, d, item));
+    const int64_t slots = 2 * (int64_t)nthreads;
+    void *scratch = xalloc(stride * nthreads);
+    void *partial = xalloc(pkv_partial_slot_bytes(d, item) * slots);
+    int64_t plan[3] = {0, 0, 0};
+    pkv_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.k = arena;
+    a.v = arena + g.plane_bytes;
+    a.block_stride = g.block_bytes;
+    a.bs = bs;
+    a.hkv = hkv;
+    a.hq = hq;
+    a.d = d;
+    a.nseq = B;
+    a.tables = (const int32_t *const *)tables;
+    a.segs = segs;
+    a.q = q;
+    a.out = out;
+    a.nq = 1;
+    a.scale = 1.0 / sqrt((double)d);
+    a.rope = NULL;
+    a.scratch = scratch;
+    a.scratch_stride = stride;
+    a.partial = partial;
+    a.partial_slots = slots;
+    a.nthreads = nthreads;
+    a.plan_out = plan;
+    const pkv_kernels *kern = pkv_kernels_for(dt, dt, simd);
+    if (!kern) {
+        fprintf(stderr, "no kernel for this dtype / SIMD path\n");
+        return 1;
+    }
+
+    /* sequential buffer of the same size as the K+V read */
+    const size_t kv = (size_t)nb * 2 * g.plane_bytes;
+    char *seqbuf = xalloc(kv);
+    for (size_t j = 0; j < kv / 4; j++) ((float *)seqbuf)[j] = 1.0f;
+
+    double *ts = xalloc(sizeof(double) * rounds), *tp = xalloc(sizeof(double) * rounds);
+    double *td = xalloc(sizeof(double) * rounds);
+    volatile double sink = 0;
+    volatile uint64_t xsink = 0;
+    size_t pat_bytes = 0;
+    /* warm-up: pages resident, threads started */
+    sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
+    xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs, simd,
+                              nthreads, &pat_bytes);
+    kern->decode(&a);
+    for (int r = 0; r < rounds; r++) {
+        double t0 = now();
+        sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
+        double t1 = now();
+        xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs,
+                                  simd, nthreads, NULL);
+        double t2 = now();
+        kern->decode(&a);
+        double t3 = now();
+        ts[r] = t1 - t0;
+        tp[r] = t2 - t1;
+        td[r] = t3 - t2;
+    }
+    static const char *simd_names[] = {"scalar", "avx2", "avx512"};
+    printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
+           "K+V %.1f MiB, %d rounds\n",
+           f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
+           simd_names[simd], (long long)plan[0], (long long)plan[1], (long long)plan[2],
+           kv / 1048576.0, rounds);
+    double ms, mp, md;
+    summary("seq", ts, rounds, (double)kv, &ms);
+    summary("pattern", tp, rounds, (double)pat_bytes, &mp);
+    summary("decode", td, rounds, (double)kv, &md);
+    printf("  decode = %.1f%% of pattern, %.1f%% of seq (medians)\n", 100.0 * mp / md,
+           100.0 * ms / md);
+    return sink == 12345.0 && xsink == 1 ? 3 : 0;
+}
