@@ -76,6 +76,47 @@ static int simd_from_env(void) {
     return want;
 }
 
+/* Largest |out - reference| / max |reference| of decode: a plain double
+ * loop over the same pool (the harness refuses to time a wrong kernel). */
+static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
+    const int d = a->d, bs = a->bs, gsz = a->hq / a->hkv;
+    const int64_t L = a->segs[0].b1;
+    double *s = xalloc(sizeof(double) * L), *o = xalloc(sizeof(double) * d);
+    double err = 0, big = 0;
+#define AT(p, i) (f64 ? ((const double *)(p))[i] : (double)((const float *)(p))[i])
+    for (int64_t b = 0; b < a->nseq; b++)
+        for (int h = 0; h < a->hq; h++) {
+            const int kh = h / gsz;
+            const size_t qo = ((size_t)b * a->hq + h) * d;
+            double mx = -INFINITY, sum = 0;
+            for (int64_t t = 0; t < L; t++) {
+                const char *kp = (const char *)a->k + (size_t)a->tables[b][t / bs] * g->block_bytes +
+                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                double x = 0;
+                for (int i = 0; i < d; i++) x += AT(a->q, qo + i) * AT(kp, i);
+                s[t] = x * a->scale;
+                if (s[t] > mx) mx = s[t];
+            }
+            memset(o, 0, sizeof(double) * d);
+            for (int64_t t = 0; t < L; t++) {
+                const char *vp = (const char *)a->v + (size_t)a->tables[b][t / bs] * g->block_bytes +
+                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                const double p = exp(s[t] - mx);
+                sum += p;
+                for (int i = 0; i < d; i++) o[i] += p * AT(vp, i);
+            }
+            for (int i = 0; i < d; i++) {
+                const double want = o[i] / sum, got = AT(a->out, qo + i);
+                if (fabs(got - want) > err) err = fabs(got - want);
+                if (fabs(want) > big) big = fabs(want);
+            }
+        }
+#undef AT
+    free(s);
+    free(o);
+    return err / (big > 0 ? big : 1);
+}
+
 int main(int argc, char **argv) {
     if (argc < 6) {
         fprintf(stderr, "usage: %s f32|f64 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
@@ -175,6 +216,11 @@ int main(int argc, char **argv) {
     xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs, simd,
                               nthreads, &pat_bytes);
     kern->decode(&a);
+    const double err = check(&a, &g, f64);
+    if (err > (f64 ? 1e-12 : 1e-5)) {
+        fprintf(stderr, "decode differs from the reference: max error %.3g of max |out|\n", err);
+        return 1;
+    }
     for (int r = 0; r < rounds; r++) {
         double t0 = now();
         sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
@@ -190,10 +236,10 @@ int main(int argc, char **argv) {
     }
     static const char *simd_names[] = {"scalar", "avx2", "avx512"};
     printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
-           "K+V %.1f MiB, %d rounds\n",
+           "K+V %.1f MiB, %d rounds, max error %.1e\n",
            f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
            simd_names[simd], (long long)plan[0], (long long)plan[1], (long long)plan[2],
-           kv / 1048576.0, rounds);
+           kv / 1048576.0, rounds, err);
     double ms, mp, md;
     summary("seq", ts, rounds, (double)kv, &ms);
     summary("pattern", tp, rounds, (double)pat_bytes, &mp);

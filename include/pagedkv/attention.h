@@ -12,6 +12,7 @@
 #include "layout.h"
 #include "types.h"
 #include "simd.h"
+#include "kvread.h"
 
 #ifndef restrict
 #define restrict __restrict__

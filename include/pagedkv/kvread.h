@@ -151,3 +151,70 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
     }
     return acc;
 }
+
+/* ---- prefetching the pattern ahead of a kernel ----------------------------
+ * A work item of decode reads, for each block of its rank range, the K run of
+ * its heads (one contiguous run of `run` bytes: the heads of a block are
+ * adjacent), then their V run.  The kernel reports how far it has consumed
+ * that sequence of bytes; the cursor keeps software prefetches PKV_PF_AHEAD
+ * bytes in front, across block boundaries (the next block may be anywhere in
+ * the pool, where no hardware prefetcher looks).  Offsets count bytes of the
+ * sequence: block j of the item starts at j * 2 * run, its V run at + run.
+ * Only addresses are computed from the table; nothing is loaded from them. */
+#ifndef PKV_PF_AHEAD
+#define PKV_PF_AHEAD (16 << 10)
+#endif
+#ifndef PKV_PF_LOCALITY
+#define PKV_PF_LOCALITY 3
+#endif
+
+typedef struct {
+    const char *k, *v;      /* K / V of the item's first head in block 0 */
+    const int32_t *table;
+    size_t bstride, run;    /* bytes from block to block; bytes of one block's K run */
+    int64_t lo[2], hi[2];   /* the item's table ranges, in the order it reads them */
+    int seg;                /* range being prefetched; 2: all issued */
+    int64_t bi;             /* table index being prefetched */
+    size_t base, pos;       /* offset of block bi in the sequence; bytes of it issued */
+} pkv_prefetch;
+
+static inline void pkv_pf_skip_empty(pkv_prefetch *c) {
+    while (c->seg < 2 && c->bi >= c->hi[c->seg]) {
+        c->seg++;
+        if (c->seg < 2) c->bi = c->lo[c->seg];
+    }
+}
+
+static inline void pkv_pf_init(pkv_prefetch *c, const char *k, const char *v, const int32_t *table,
+                               size_t bstride, size_t run, const int64_t lo[2], const int64_t hi[2]) {
+    c->k = k;
+    c->v = v;
+    c->table = table;
+    c->bstride = bstride;
+    c->run = run;
+    c->lo[0] = lo[0];
+    c->lo[1] = lo[1];
+    c->hi[0] = hi[0];
+    c->hi[1] = hi[1];
+    c->seg = 0;
+    c->bi = lo[0];
+    c->base = 0;
+    c->pos = 0;
+    pkv_pf_skip_empty(c);
+}
+
+/* Issue prefetches up to offset `goal` of the sequence. */
+static inline void pkv_pf_until(pkv_prefetch *c, size_t goal) {
+    while (c->seg < 2 && c->base + c->pos < goal) {
+        const size_t blk = (size_t)c->table[c->bi] * c->bstride;
+        const char *p = c->pos < c->run ? c->k + blk + c->pos : c->v + blk + (c->pos - c->run);
+        __builtin_prefetch(p, 0, PKV_PF_LOCALITY);
+        c->pos += 64;
+        if (c->pos >= 2 * c->run) {
+            c->base += 2 * c->run;
+            c->pos = 0;
+            c->bi++;
+            pkv_pf_skip_empty(c);
+        }
+    }
+}
