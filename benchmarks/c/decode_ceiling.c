@@ -31,6 +31,15 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+/* CPU seconds of the whole process (all threads): on a machine shared with
+ * other jobs, time spent descheduled does not count.  Run with
+ * OMP_WAIT_POLICY=passive so that waiting threads do not spin. */
+static double cpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint64_t rng(void) { /* xorshift64* */
     rng_state ^= rng_state >> 12;
@@ -208,6 +217,7 @@ int main(int argc, char **argv) {
 
     double *ts = xalloc(sizeof(double) * rounds), *tp = xalloc(sizeof(double) * rounds);
     double *td = xalloc(sizeof(double) * rounds);
+    double *cp = xalloc(sizeof(double) * rounds), *cd = xalloc(sizeof(double) * rounds);
     volatile double sink = 0;
     volatile uint64_t xsink = 0;
     size_t pat_bytes = 0;
@@ -224,12 +234,14 @@ int main(int argc, char **argv) {
     for (int r = 0; r < rounds; r++) {
         double t0 = now();
         sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
-        double t1 = now();
+        double t1 = now(), c1 = cpu_now();
         xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs,
                                   simd, nthreads, NULL);
-        double t2 = now();
+        double t2 = now(), c2 = cpu_now();
         kern->decode(&a);
-        double t3 = now();
+        double t3 = now(), c3 = cpu_now();
+        cp[r] = c2 - c1;
+        cd[r] = c3 - c2;
         ts[r] = t1 - t0;
         tp[r] = t2 - t1;
         td[r] = t3 - t2;
@@ -240,11 +252,26 @@ int main(int argc, char **argv) {
            f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
            simd_names[simd], (long long)plan[0], (long long)plan[1], (long long)plan[2],
            kv / 1048576.0, rounds, err);
+    /* per round: pattern time / decode time of the same round (robust to a
+     * busy machine, whose load drifts between rounds more than within one) */
+    double *pr = xalloc(sizeof(double) * rounds), *sr = xalloc(sizeof(double) * rounds);
+    for (int r = 0; r < rounds; r++) {
+        pr[r] = tp[r] / td[r];
+        sr[r] = ts[r] / td[r];
+        cp[r] = cp[r] / cd[r];
+    }
+    qsort(pr, rounds, sizeof(double), cmp_d);
+    qsort(sr, rounds, sizeof(double), cmp_d);
+    qsort(cp, rounds, sizeof(double), cmp_d);
     double ms, mp, md;
     summary("seq", ts, rounds, (double)kv, &ms);
     summary("pattern", tp, rounds, (double)pat_bytes, &mp);
     summary("decode", td, rounds, (double)kv, &md);
-    printf("  decode = %.1f%% of pattern, %.1f%% of seq (medians)\n", 100.0 * mp / md,
+    printf("  decode = %.1f%% of pattern, %.1f%% of seq (ratio of medians)\n", 100.0 * mp / md,
            100.0 * ms / md);
+    printf("  paired per round: %.1f%% of pattern (min %.1f, max %.1f), %.1f%% of seq\n",
+           100.0 * pr[rounds / 2], 100.0 * pr[0], 100.0 * pr[rounds - 1], 100.0 * sr[rounds / 2]);
+    printf("  cpu time, paired: %.1f%% of pattern (min %.1f, max %.1f)\n", 100.0 * cp[rounds / 2],
+           100.0 * cp[0], 100.0 * cp[rounds - 1]);
     return sink == 12345.0 && xsink == 1 ? 3 : 0;
 }

@@ -49,8 +49,10 @@ static inline void KFN(pv4)(T *restrict y, int yd, const T *restrict alpha, cons
     const T *p0 = p, *p1 = p + ps, *p2 = p + 2 * ps, *p3 = p + 3 * ps;
     const VEC al0 = VSET1(alpha[0]), al1 = VSET1(alpha[1]), al2 = VSET1(alpha[2]),
               al3 = VSET1(alpha[3]);
+    const size_t step = span / (size_t)d; /* bytes per dimension of the run */
+    at += PKV_PF_AHEAD;
     for (; i + 2 * W <= d; i += 2 * W) {
-        if (pf) pkv_pf_until(pf, at + span * (size_t)(i + 2 * W) / (size_t)d + PKV_PF_AHEAD);
+        if (pf) pkv_pf_until(pf, at + step * (size_t)(i + 2 * W));
         VEC a0 = VMUL(VLOAD(y0 + i), al0), b0 = VMUL(VLOAD(y0 + i + W), al0);
         VEC a1 = VMUL(VLOAD(y1 + i), al1), b1 = VMUL(VLOAD(y1 + i + W), al1);
         VEC a2 = VMUL(VLOAD(y2 + i), al2), b2 = VMUL(VLOAD(y2 + i + W), al2);
@@ -172,6 +174,8 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
                                    pkv_prefetch *pf, size_t at, size_t span) {
     const S *ks = (const S *)k;
     const T *kt = (const T *)k;
+    const size_t step = span / (size_t)n; /* bytes per key (no division in the loop) */
+    at += PKV_PF_AHEAD;
     int a = 0;
     for (; a + 4 <= na; a += 4) {
         const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
@@ -179,7 +183,7 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
         int j = 0;
         for (; j + 2 <= n; j += 2) {
             T t[8];
-            if (a == 0) pkv_pf_until(pf, at + span * (size_t)(j + 2) / (size_t)n + PKV_PF_AHEAD);
+            if (a == 0) pkv_pf_until(pf, at + step * (size_t)(j + 2));
             if (k_rotated)
                 FN(dot4x2)(q0, q1, q2, q3, kt + (size_t)j * d, kt + (size_t)(j + 1) * d, d, t);
             else
@@ -199,11 +203,11 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
     for (; a < na; a++) {
         const T *qi = q + (size_t)rows[a] * d;
         for (int j = 0; j < n; j++) {
-            if (a == 0) pkv_pf_until(pf, at + span * (size_t)(j + 1) / (size_t)n + PKV_PF_AHEAD);
+            if (a == 0) pkv_pf_until(pf, at + step * (size_t)(j + 1));
             sbuf[(size_t)a * n + j] = KFN(score)(qi, k, k_rotated, j, d);
         }
     }
-    pkv_pf_until(pf, at + span + PKV_PF_AHEAD);
+    pkv_pf_until(pf, at + span);
 }
 
 /* Softmax step of rows[0, na) (one head) over the run's scores s [na][n]. */
