@@ -50,9 +50,8 @@ static inline void KFN(pv4)(T *restrict y, int yd, const T *restrict alpha, cons
     const VEC al0 = VSET1(alpha[0]), al1 = VSET1(alpha[1]), al2 = VSET1(alpha[2]),
               al3 = VSET1(alpha[3]);
     const size_t step = span / (size_t)d; /* bytes per dimension of the run */
-    at += PKV_PF_AHEAD;
     for (; i + 2 * W <= d; i += 2 * W) {
-        if (pf) pkv_pf_until(pf, at + step * (size_t)(i + 2 * W));
+        if (pf) pkv_pf_consumed(pf, at + step * (size_t)(i + 2 * W));
         VEC a0 = VMUL(VLOAD(y0 + i), al0), b0 = VMUL(VLOAD(y0 + i + W), al0);
         VEC a1 = VMUL(VLOAD(y1 + i), al1), b1 = VMUL(VLOAD(y1 + i + W), al1);
         VEC a2 = VMUL(VLOAD(y2 + i), al2), b2 = VMUL(VLOAD(y2 + i + W), al2);
@@ -162,9 +161,12 @@ static inline T KFN(score)(const T *restrict q, const void *k, int k_rotated, in
  * <= lim[i]; rows[0, na) are the rows that see rank r at all.  Scores go to
  * sbuf [head][na][n], alpha to [head][na].
  *
- * Measured on an AVX2 EPYC (benchmarks/c/decode_ceiling.c, B=8 L=2048 f32,
- * 1 thread): the former order (K then V of each head in turn, prefetching
- * the next head's runs) reached 62% of the pattern read; see README.
+ * Measured on an AVX2 EPYC (benchmarks/c/decode_ceiling.c, f32 B=8 L=2048,
+ * 1 thread, CPU time paired per round): the former order (K then V of each
+ * head in turn, prefetching the next head's runs into L1 spread over the
+ * score loop) 50-58% of the pattern read, this one 60-72%; f64 44-46% ->
+ * 66%.  Splitting one sequence over 2 threads by key chunks instead of by
+ * head groups made no difference there (head groups kept: no merge).
  */
 
 /* Scores of rows[0, na) of q (one head) against the run's n keys; the K run
@@ -175,7 +177,6 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
     const S *ks = (const S *)k;
     const T *kt = (const T *)k;
     const size_t step = span / (size_t)n; /* bytes per key (no division in the loop) */
-    at += PKV_PF_AHEAD;
     int a = 0;
     for (; a + 4 <= na; a += 4) {
         const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
@@ -183,7 +184,7 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
         int j = 0;
         for (; j + 2 <= n; j += 2) {
             T t[8];
-            if (a == 0) pkv_pf_until(pf, at + step * (size_t)(j + 2));
+            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 2));
             if (k_rotated)
                 FN(dot4x2)(q0, q1, q2, q3, kt + (size_t)j * d, kt + (size_t)(j + 1) * d, d, t);
             else
@@ -203,11 +204,11 @@ static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na,
     for (; a < na; a++) {
         const T *qi = q + (size_t)rows[a] * d;
         for (int j = 0; j < n; j++) {
-            if (a == 0) pkv_pf_until(pf, at + step * (size_t)(j + 1));
+            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 1));
             sbuf[(size_t)a * n + j] = KFN(score)(qi, k, k_rotated, j, d);
         }
     }
-    pkv_pf_until(pf, at + span);
+    pkv_pf_consumed(pf, at + span);
 }
 
 /* Softmax step of rows[0, na) (one head) over the run's scores s [na][n]. */
@@ -246,7 +247,7 @@ static inline void KFN(run_values)(T *restrict acc, const int *rows, int na, con
     }
     for (; a < na; a++)
         KFN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], p + (size_t)a * n, v, n, d);
-    pkv_pf_until(pf, at + span + PKV_PF_AHEAD);
+    pkv_pf_consumed(pf, at + span);
 }
 
 /* One work item: kv heads [h0, h0 + nh) of sequence s against their query
@@ -289,7 +290,7 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
     }
     pkv_prefetch pf;
     pkv_pf_init(&pf, kb, vb, table, bstride, run, blo, bhi);
-    pkv_pf_until(&pf, PKV_PF_AHEAD);
+    pkv_pf_consumed(&pf, 0);
     size_t at = 0; /* offset of the current block in the prefetch sequence */
     int rows[PKV_MAX_ROWS];
     for (int sgi = 0; sgi < 2; sgi++) {
