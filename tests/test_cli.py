@@ -37,15 +37,17 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
     assert {r["dtype"] for r in dec} == {"float32", "float64"}
     want = {"pagedkv", "numpy", "numpy-gather"} | ({"torch-sdpa"} if HAVE_TORCH else set())
     for r in dec:
-        assert set(r["results"]) == want
+        assert set(r["results"]) == want | {"kv-pattern read"}
         assert set(r["ratios"]) == want - {"pagedkv"}
+        # decode as a percentage of the pattern read of the same rounds
+        assert _positive_finite(r["results"]["pagedkv"]["pct_pattern"])
         assert all(_positive_finite(x) for x in r["ratios"].values())
         for res in r["results"].values():
             assert _positive_finite(res["median_s"])
             assert _positive_finite(res["gbps"]) and _positive_finite(res["pct_bw"])
             assert len(res["samples_s"]) == 2
         for name, res in r["results"].items():
-            if name != "pagedkv":  # each baseline was checked against pagedkv
+            if name not in ("pagedkv", "kv-pattern read"):  # each baseline was checked
                 assert res["max_rel_err_vs_pagedkv"] <= 1e-4
     out = capsys.readouterr().out
     assert "Decode" in out and "Targets" in out and "pagedkv speedup" in out
