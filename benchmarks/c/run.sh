@@ -1,8 +1,9 @@
 #!/bin/sh
 # Build benchmarks/c/decode_ceiling with the flags of setup.py (portable: no
 # -m flags, the SIMD path is chosen at run time) and run the decode cases of
-# issue 8 at 1 and 2 threads (set OMP_WAIT_POLICY=passive for the CPU-time ratios).  Extra compiler flags (e.g. -DPKV_PF_AHEAD=0 to
-# try a variant of the kernel) go in CFLAGS.
+# issue 8 at 1 and 2 threads (OMP_WAIT_POLICY=passive makes the CPU-time
+# ratios meaningful).  Extra compiler flags (e.g. -DPKV_PF_AHEAD=0 to try a
+# variant of the kernel) go in CFLAGS.
 #   benchmarks/c/run.sh [rounds]          PAGEDKV_SIMD=scalar|avx2|avx512 forces a path
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
