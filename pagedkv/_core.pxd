@@ -6,7 +6,9 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_SCALAR
         PKV_SIMD_AVX2
         PKV_SIMD_AVX512
+        PKV_SIMD_NEON
     int pkv_detect_simd()
+    int pkv_simd_supported(int simd)
 
 cdef extern from "pagedkv/types.h" nogil:
     ctypedef enum pkv_dtype:

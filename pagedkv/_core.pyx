@@ -59,7 +59,12 @@ class OutOfBlocksError(MemoryError):
 # SIMD selection and threads
 
 cdef int _simd_detected = pkv_detect_simd()
-_SIMD_NAMES = ("scalar", "avx2", "avx512")
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon")  # indexed by PKV_SIMD_* (simd.h)
+
+
+def simd_supported():
+    """SIMD paths this machine can run, slowest first."""
+    return [name for i, name in enumerate(_SIMD_NAMES) if pkv_simd_supported(i)]
 
 
 def _choose_simd():
@@ -69,12 +74,11 @@ def _choose_simd():
     if forced not in _SIMD_NAMES:
         raise ValueError(
             f"PAGEDKV_SIMD={forced!r}: expected one of {', '.join(_SIMD_NAMES)}")
-    level = _SIMD_NAMES.index(forced)
-    if level > _simd_detected:
+    if forced not in simd_supported():
         raise RuntimeError(
-            f"PAGEDKV_SIMD={forced!r} but this CPU supports at most "
-            f"{_SIMD_NAMES[_simd_detected]!r}")
-    return level
+            f"PAGEDKV_SIMD={forced!r} but this machine runs only "
+            f"{', '.join(simd_supported())}")
+    return _SIMD_NAMES.index(forced)
 
 
 cdef int _simd = _choose_simd()
@@ -82,13 +86,8 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 
 def simd_backend():
-    """Name of the active SIMD path: 'scalar', 'avx2' or 'avx512'."""
+    """Name of the active SIMD path: 'scalar', 'avx2', 'avx512' or 'neon'."""
     return _SIMD_NAMES[_simd]
-
-
-def simd_supported():
-    """SIMD paths this machine can run, slowest first."""
-    return list(_SIMD_NAMES[:_simd_detected + 1])
 
 
 def has_openmp():

@@ -18,7 +18,8 @@ earlier (by identity), so a hash collision costs a miss, never another
 prompt's K/V.  An entry is valid while its block's generation is the one
 recorded when it was registered: the pool bumps the generation each time it
 hands the block out again, so stale entries are recognised (and dropped) on
-sight and the index never holds more live entries than the pool has blocks.
+sight, and a block's new entry replaces its old one, so the index never
+holds more entries than the pool has blocks.
 
 A block is registered once every layer has written it and its token ids are
 known: from ``add_sequence(token_ids=prompt)`` (the prompt's ids cover the
@@ -82,6 +83,7 @@ class PrefixCache:
         self._pool = core.pool
         self._bs = core.block_size
         self._index: Dict[int, _Entry] = {}
+        self._by_block: Dict[int, _Entry] = {}  # the latest entry registered on each block
         self._seqs: Dict[int, _SeqState] = {}
         self.hit_blocks = 0
         self.miss_blocks = 0
@@ -181,8 +183,12 @@ class PrefixCache:
                 st.chain.append(e)  # the same contents are cached already (maybe elsewhere)
                 continue
             block = int(table[i])
+            old = self._by_block.get(block)
+            if old is not None and self._index.get(old.key) is old:
+                del self._index[old.key]  # stale (the block was handed out again)
             e = _Entry(key, block, self._pool.mark_cached(block), parent, t, st.salt)
             self._index[key] = e
+            self._by_block[block] = e
             st.chain.append(e)
 
     def forked(self, parent: int, child: int) -> None:
@@ -219,6 +225,7 @@ class PrefixCache:
         """Drop the entries whose blocks were handed out again."""
         for key in [k for k, e in self._index.items() if not self._valid(e)]:
             del self._index[key]
+        self._by_block = {e.block: e for e in self._index.values()}
 
     def remap(self, moved_to: np.ndarray) -> None:
         """After compaction: the entries follow their blocks.  Call prune()
@@ -235,6 +242,7 @@ class PrefixCache:
 
     @property
     def num_entries(self) -> int:
+        """Index entries (at most one per block: a block's new entry replaces its old one)."""
         return len(self._index)
 
     def counts(self):

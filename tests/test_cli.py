@@ -101,6 +101,20 @@ def test_bench_streaming_runs_the_module_when_present(tmp_path, monkeypatch, cap
     assert "paged_us_median" in capsys.readouterr().out
 
 
+def test_bench_prefix_suite(tmp_path, capsys):
+    data = _bench(tmp_path, "--suites", "prefix")
+    recs = {r["case"]: r for r in data["records"] if r["suite"] == "prefix"}
+    assert set(recs) == {"ttft", "beam", "save_load"}
+    t = recs["ttft"]
+    assert t["reused_tokens"] == 192 and t["max_rel_diff"] == 0.0  # 200-token prompt, block 16
+    assert t["cold_s"] > 0 and t["hit_s"] > 0
+    b = recs["beam"]
+    assert b["blocks_shared_end"] < b["blocks_private"] and 0 < b["saved"] < 1
+    assert recs["save_load"]["save_gbps"] > 0 and recs["save_load"]["load_gbps"] > 0
+    out = capsys.readouterr().out
+    assert "time to first token" in out and "memory saved by sharing" in out
+
+
 def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suites", "nonsense"])

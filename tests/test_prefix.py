@@ -313,3 +313,14 @@ def test_auto_evict_releases_prefix_state():
     c = cache.add_sequence(token_ids=p)
     assert cache.seq_len(c) == 32  # b took the 3 never-used blocks and a's tail block
     np.testing.assert_array_equal(cache.gather(c, 0)[0], kv_for(p, 0)[0][:32])
+
+
+def test_index_stays_bounded_under_churn(rng):
+    cache = make(num_blocks=12, block_size=4, layers=1)
+    for r in range(60):
+        p = rng.integers(0, 50, 13).tolist()  # 3 full blocks each, mostly new prompts
+        s = cache.add_sequence(token_ids=p)
+        prefill(cache, s, p)
+        cache.free(s)
+        assert cache._prefix.num_entries <= cache.num_blocks
+    assert cache.stats().cached_free_blocks <= cache.num_blocks

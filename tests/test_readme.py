@@ -9,7 +9,8 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.skipif(not README.exists(), reason="README.md is not next to the tests (installed copy)")
-def test_readme_examples_run(capsys):
+def test_readme_examples_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the examples write files
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 2
     ns = {}
@@ -22,3 +23,7 @@ def test_readme_examples_run(capsys):
     np.testing.assert_array_equal(kept[:5], [0, 1, 2, 3, 3979])
     assert kept[-1] == 4999
     assert "blocks" in capsys.readouterr().out
+    # the prefix-caching example: 62 blocks hit, the loaded copy equals the original
+    pc, a, b, c = ns["pc"], ns["a"], ns["b"], ns["c"]
+    assert pc.stats().prefix_hit_blocks == 62 and pc.sequence_ids() == [c]
+    assert pc.seq_len(c) == 1000

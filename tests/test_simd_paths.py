@@ -5,6 +5,7 @@ interpreter with PAGEDKV_SIMD / OMP_NUM_THREADS set in its environment.
 """
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,9 @@ if {"avx2", "fma"} <= FLAGS:
     SUPPORTED.append("avx2")
 if {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLAGS:
     SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
+if platform.machine().lower() in ("aarch64", "arm64"):
+    SUPPORTED.append("neon")  # Advanced SIMD: part of every AArch64 CPU
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon") if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
     """
@@ -105,3 +109,26 @@ def test_thread_count_matches_reference(threads):
 
 def test_default_backend_is_a_supported_one():
     assert pagedkv.simd_backend() in SUPPORTED
+    assert pagedkv.simd_supported() == SUPPORTED
+
+
+def _import_with(value):
+    env = dict(os.environ, PAGEDKV_SIMD=value, PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.run([sys.executable, "-c", "import pagedkv"], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=TESTS_DIR)
+
+
+@pytest.mark.parametrize("backend", UNSUPPORTED)
+def test_forcing_a_path_this_machine_lacks_fails_at_import(backend):
+    proc = _import_with(backend)
+    assert proc.returncode != 0
+    assert "RuntimeError" in proc.stderr and f"PAGEDKV_SIMD='{backend}'" in proc.stderr
+    assert "runs only scalar" in proc.stderr
+
+
+def test_forcing_an_unknown_path_names_the_known_ones():
+    proc = _import_with("sse9")
+    assert proc.returncode != 0
+    assert "ValueError" in proc.stderr
+    assert "expected one of scalar, avx2, avx512, neon" in proc.stderr

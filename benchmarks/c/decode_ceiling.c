@@ -12,7 +12,7 @@
  *
  * and decode as % of pattern and of seq.  The kernels are the project's own
  * headers, compiled with the flags of setup.py (no -m flags: the SIMD path is
- * chosen at run time, PAGEDKV_SIMD=scalar|avx2|avx512 forces one).  Build and
+ * chosen at run time, PAGEDKV_SIMD=scalar|avx2|avx512|neon forces one).  Build and
  * run: see run.sh next to this file.
  *
  * usage: decode_ceiling [f32|f64] B L threads rounds [Hq Hkv D bs]
@@ -77,8 +77,9 @@ static int simd_from_env(void) {
     const char *e = getenv("PAGEDKV_SIMD");
     if (!e || !*e) return det;
     int want = !strcmp(e, "scalar") ? PKV_SIMD_SCALAR : !strcmp(e, "avx2") ? PKV_SIMD_AVX2
-             : !strcmp(e, "avx512") ? PKV_SIMD_AVX512 : -1;
-    if (want < 0 || want > det) {
+             : !strcmp(e, "avx512") ? PKV_SIMD_AVX512 : !strcmp(e, "neon") ? PKV_SIMD_NEON : -1;
+    /* x86 paths are ordered (a CPU with AVX-512 runs AVX2); NEON only where detected */
+    if (want < 0 || (want != PKV_SIMD_SCALAR && (want > det || (want == PKV_SIMD_NEON) != (det == PKV_SIMD_NEON)))) {
         fprintf(stderr, "PAGEDKV_SIMD=%s not available here\n", e);
         exit(2);
     }
@@ -246,7 +247,7 @@ int main(int argc, char **argv) {
         tp[r] = t2 - t1;
         td[r] = t3 - t2;
     }
-    static const char *simd_names[] = {"scalar", "avx2", "avx512"};
+    static const char *simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon"};
     printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
            "K+V %.1f MiB, %d rounds, max error %.1e\n",
            f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,

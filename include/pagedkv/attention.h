@@ -3,7 +3,7 @@
  * The kernels (attn_math.h + attn_impl.h) are written once over a SIMD
  * vocabulary mapped here per instruction set: scalar always; AVX2+FMA and
  * AVX-512 on x86-64 through per-function target pragmas, so the build needs
- * no -m flags.  attn_instances.h instantiates each (compute type, ISA) for
+ * no -m flags; NEON on aarch64 (part of the base architecture, no pragma).  attn_instances.h instantiates each (compute type, ISA) for
  * the storage types it reads; pkv_kernels_for() looks them up in a table
  * indexed by [storage dtype][compute dtype][ISA] at run time.
  */
@@ -228,6 +228,70 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 PKV_TARGET_END
 #endif /* PKV_X86 */
 
+#if PKV_ARM64
+/* ---- NEON (aarch64 Advanced SIMD, 128-bit) ------------------------------
+ * Baseline on every AArch64 CPU, so no target pragma and no -march.  VMAX /
+ * VMIN are the IEEE maxNum / minNum forms (vmaxnmq / vminnmq): with a NaN
+ * operand they return the other one, like the x86 and scalar paths do for
+ * the exp clamp.  VROUND rounds ties to even, as nearbyint and
+ * _MM_FROUND_TO_NEAREST_INT do, so every path computes the same exp.
+ *
+ * Storage formats narrower than the compute type load through one SLOAD
+ * macro each on top of these (attn_instances.h), e.g. for f32 compute:
+ *   bf16: vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
+ *   f16:  vcvt_f32_f16(vld1_f16(p))
+ * and for f64 compute the same followed by vcvt_f64_f32 of each half. */
+#include <arm_neon.h>
+static inline float32x4_t pkv_scale2k_f32x4(float32x4_t p, float32x4_t k) {
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
+    const int64x2_t e = vshlq_n_s64(vaddq_s64(vcvtq_s64_f64(k), vdupq_n_s64(1023)), 52);
+    return vmulq_f64(p, vreinterpretq_f64_s64(e));
+}
+#define VEC float32x4_t
+#define W 4
+#define VLOAD(p) vld1q_f32(p)
+#define VSTORE(p, x) vst1q_f32(p, x)
+#define VSET1(s) vdupq_n_f32(s)
+#define VZERO() vdupq_n_f32(0.0f)
+#define VADD(a, b) vaddq_f32(a, b)
+#define VSUB(a, b) vsubq_f32(a, b)
+#define VMUL(a, b) vmulq_f32(a, b)
+#define VMAX(a, b) vmaxnmq_f32(a, b)
+#define VMIN(a, b) vminnmq_f32(a, b)
+#define VFMA(a, b, c) vfmaq_f32(c, a, b)
+#define VREDUCE(x) vaddvq_f32(x)
+#define VROUND(x) vrndnq_f32(x)
+#define VSCALE2K(p, k) pkv_scale2k_f32x4(p, k)
+#define T float
+#define PKV_F64 0
+#define PKV_TAG _f32_neon
+#include "attn_instances.h"
+#include "attn_vocab_end.h"
+#define VEC float64x2_t
+#define W 2
+#define VLOAD(p) vld1q_f64(p)
+#define VSTORE(p, x) vst1q_f64(p, x)
+#define VSET1(s) vdupq_n_f64(s)
+#define VZERO() vdupq_n_f64(0.0)
+#define VADD(a, b) vaddq_f64(a, b)
+#define VSUB(a, b) vsubq_f64(a, b)
+#define VMUL(a, b) vmulq_f64(a, b)
+#define VMAX(a, b) vmaxnmq_f64(a, b)
+#define VMIN(a, b) vminnmq_f64(a, b)
+#define VFMA(a, b, c) vfmaq_f64(c, a, b)
+#define VREDUCE(x) vaddvq_f64(x)
+#define VROUND(x) vrndnq_f64(x)
+#define VSCALE2K(p, k) pkv_scale2k_f64x2(p, k)
+#define T double
+#define PKV_F64 1
+#define PKV_TAG _f64_neon
+#include "attn_instances.h"
+#include "attn_vocab_end.h"
+#endif /* PKV_ARM64 */
+
 typedef void (*pkv_attn_fn)(const pkv_attn_args *);
 
 typedef struct {
@@ -236,16 +300,20 @@ typedef struct {
 } pkv_kernels;
 
 #define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
+/* the vector paths built for this architecture, as designated entries */
 #if PKV_X86
-#define PKV_KERNELS_X86(st, ct) PKV_KERNELS(st, ct, avx2), PKV_KERNELS(st, ct, avx512)
+#define PKV_KERNELS_SIMD(st, ct) \
+    [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512)
+#elif PKV_ARM64
+#define PKV_KERNELS_SIMD(st, ct) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon)
 #else
-#define PKV_KERNELS_X86(st, ct) {NULL, NULL}, {NULL, NULL}
+#define PKV_KERNELS_SIMD(st, ct)
 #endif
 
-/* [storage][compute][ISA]; {NULL, NULL} where the pair is not built */
+/* [storage][compute][ISA]; {NULL, NULL} where the triple is not built */
 static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_DTYPES][PKV_NUM_SIMD] = {
-    [PKV_F32][PKV_F32] = {PKV_KERNELS(f32, f32, scalar), PKV_KERNELS_X86(f32, f32)},
-    [PKV_F64][PKV_F64] = {PKV_KERNELS(f64, f64, scalar), PKV_KERNELS_X86(f64, f64)},
+    [PKV_F32][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(f32, f32, scalar), PKV_KERNELS_SIMD(f32, f32)},
+    [PKV_F64][PKV_F64] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(f64, f64, scalar), PKV_KERNELS_SIMD(f64, f64)},
 };
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */
@@ -265,6 +333,9 @@ static inline double pkv_read_sum(const void *p, size_t n, int dtype, int simd, 
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) f = dtype ? (sum_fn)stream_sum_f64_avx512 : (sum_fn)stream_sum_f32_avx512;
     else if (simd == PKV_SIMD_AVX2) f = dtype ? (sum_fn)stream_sum_f64_avx2 : (sum_fn)stream_sum_f32_avx2;
+#endif
+#if PKV_ARM64
+    if (simd == PKV_SIMD_NEON) f = dtype ? (sum_fn)stream_sum_f64_neon : (sum_fn)stream_sum_f32_neon;
 #endif
     const size_t item = dtype ? 8 : 4;
     double total = 0.0;

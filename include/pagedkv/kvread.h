@@ -84,6 +84,9 @@ static uint64_t pkv_xor_bytes_avx512(const char *p, size_t n) {
 }
 #endif
 
+/* The read kernel of a SIMD path: AVX2 / AVX-512 loads on x86; elsewhere
+ * (scalar, NEON) the portable loop, which the compiler vectorizes with the
+ * baseline instruction set (SSE2, Advanced SIMD). */
 typedef uint64_t (*pkv_xor_fn)(const char *, size_t);
 
 static inline pkv_xor_fn pkv_xor_bytes_for(int simd) {

@@ -1,19 +1,33 @@
 /* pagedkv/simd.h -- run-time SIMD detection.
  *
- * The kernels are compiled once per instruction set with per-function target
- * pragmas (see attention.h); nothing here depends on the flags the extension
- * was built with, so one binary runs on any x86-64 and picks its path at
- * import.  Detection asks cpuid for the instructions *and* xgetbv for the OS
+ * The kernels are compiled once per instruction set (see attention.h);
+ * nothing here depends on the flags the extension was built with, so one
+ * binary runs on any CPU of its architecture and picks its path at import.
+ *
+ * x86-64: scalar, AVX2+FMA, AVX-512, compiled with per-function target
+ * pragmas.  Detection asks cpuid for the instructions *and* xgetbv for the OS
  * support of the wide registers (a CPU can report AVX-512 while the kernel
  * does not save zmm state).
+ *
+ * aarch64: scalar and NEON (Advanced SIMD, 128-bit, with FMA and f64 lanes).
+ * Advanced SIMD is part of the base AArch64 architecture, so its kernels
+ * need no target pragma; on Linux the path is still confirmed with
+ * HWCAP_ASIMD (a kernel can hide it), elsewhere it is assumed.
  */
 #pragma once
 #include <stdint.h>
 
-enum { PKV_SIMD_SCALAR = 0, PKV_SIMD_AVX2 = 1, PKV_SIMD_AVX512 = 2, PKV_NUM_SIMD = 3 };
+enum {
+    PKV_SIMD_SCALAR = 0,
+    PKV_SIMD_AVX2 = 1,
+    PKV_SIMD_AVX512 = 2,
+    PKV_SIMD_NEON = 3,
+    PKV_NUM_SIMD = 4
+};
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define PKV_X86 1
+#define PKV_ARM64 0
 #include <cpuid.h>
 
 static inline uint64_t pkv_xgetbv0(void) {
@@ -22,7 +36,7 @@ static inline uint64_t pkv_xgetbv0(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 
-/* Highest SIMD level this CPU and OS can run. */
+/* Best SIMD path this CPU and OS can run. */
 static inline int pkv_detect_simd(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return PKV_SIMD_SCALAR;
@@ -40,7 +54,32 @@ static inline int pkv_detect_simd(void) {
         return PKV_SIMD_AVX512;                                   /* opmask + zmm state */
     return PKV_SIMD_AVX2;
 }
+
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define PKV_X86 0
+#define PKV_ARM64 1
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+static inline int pkv_detect_simd(void) {
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? PKV_SIMD_NEON : PKV_SIMD_SCALAR;
+}
+#else
+static inline int pkv_detect_simd(void) { return PKV_SIMD_NEON; }
+#endif
+
 #else
 #define PKV_X86 0
+#define PKV_ARM64 0
 static inline int pkv_detect_simd(void) { return PKV_SIMD_SCALAR; }
 #endif
+
+/* 1 when path `simd` runs here and was built: scalar always, plus the
+ * detected path and (x86) the narrower AVX2 below AVX-512. */
+static inline int pkv_simd_supported(int simd) {
+    const int best = pkv_detect_simd();
+    return simd == PKV_SIMD_SCALAR || simd == best ||
+           (simd == PKV_SIMD_AVX2 && best == PKV_SIMD_AVX512);
+}

@@ -14,6 +14,7 @@ from pagedkv.benchmarks import append as append_suite
 from pagedkv.benchmarks import bandwidth as bandwidth_suite
 from pagedkv.benchmarks import decode as decode_suite
 from pagedkv.benchmarks import prefill as prefill_suite
+from pagedkv.benchmarks import prefix as prefix_suite
 from pagedkv.benchmarks.common import (
     PAGEDKV,
     Progress,
@@ -33,7 +34,7 @@ from pagedkv.benchmarks.common import (
     write_json,
 )
 
-SUITES = ("bandwidth", "decode", "prefill", "append", "streaming")
+SUITES = ("bandwidth", "decode", "prefill", "append", "streaming", "prefix")
 STREAMING_MODULE = "pagedkv.benchmarks.streaming"
 
 
@@ -182,7 +183,7 @@ def run_suites(args: argparse.Namespace, out=None):
 
 
 _SUITE_MODULES = {"bandwidth": bandwidth_suite, "decode": decode_suite,
-                  "prefill": prefill_suite, "append": append_suite}
+                  "prefill": prefill_suite, "append": append_suite, "prefix": prefix_suite}
 
 
 def _print(out, text: str) -> None:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds tests/c/test_kernels.c and runs it on every SIMD path it can reach:
+#   native    with $CC (default cc): scalar, and AVX2 / AVX-512 where this CPU has them
+#   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
+#             qemu-aarch64-static: scalar and NEON (skipped, saying so, when the
+#             tools are missing: apt-get install gcc-aarch64-linux-gnu qemu-user-static)
+# Usage: tests/c/run.sh [--native-only] [test_kernels options, e.g. --trials 20 --seed 7]
+# Exit status: 0 when every run passed.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+native_only=0
+if [ "${1:-}" = "--native-only" ]; then native_only=1; shift; fi
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+flags=(-O2 -std=c11 -Wall -Wextra -I"$root/include" "$here/test_kernels.c" -lm)
+
+# compile: $1 compiler, $2 output, rest extra flags; OpenMP when the compiler has it
+build() {
+    local cc="$1" exe="$2"
+    shift 2
+    if ! "$cc" "${flags[@]}" -fopenmp "$@" -o "$exe" 2>"$out/cc.log"; then
+        echo "($cc: no OpenMP, building single-threaded)"
+        "$cc" "${flags[@]}" "$@" -o "$exe" 2>"$out/cc.log" || { cat "$out/cc.log" >&2; return 1; }
+    fi
+    # static libgomp warns that it links dlopen; everything else is shown
+    grep -v -e "dlopen" -e "goacc_profiling" -e "in function" "$out/cc.log" >&2 || true
+}
+
+cc="${CC:-cc}"
+require=(--require scalar)
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then require+=(--require avx2); fi
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo \
+    && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
+    require+=(--require avx512)
+fi
+echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
+build "$cc" "$out/test_kernels"
+"$out/test_kernels" "${require[@]}" "$@"
+
+[ "$native_only" = 1 ] && exit 0
+if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null; then
+    echo "== aarch64 under qemu-aarch64-static"
+    build aarch64-linux-gnu-gcc "$out/test_kernels_aarch64" -static
+    qemu-aarch64-static "$out/test_kernels_aarch64" --require scalar --require neon "$@"
+else
+    echo "== aarch64: skipped (aarch64-linux-gnu-gcc or qemu-aarch64-static not installed;" \
+         "apt-get install gcc-aarch64-linux-gnu qemu-user-static)"
+fi
