@@ -1,5 +1,5 @@
 # Declarations of the C headers in include/pagedkv/ (names kept as in C).
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 cdef extern from "pagedkv/simd.h" nogil:
     enum:
@@ -88,3 +88,9 @@ cdef extern from "pagedkv/attention.h" nogil:
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
     double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)
+
+cdef extern from "pagedkv/kvread.h" nogil:
+    uint64_t pkv_read_pattern(const char *k, const char *v, size_t plane_bytes,
+                              size_t block_stride, int bs, int64_t nseq,
+                              const int32_t *const *tables, const pkv_segs *segs, int simd,
+                              int nthreads, size_t *bytes_read)

@@ -18,7 +18,7 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
 
@@ -928,6 +928,41 @@ cdef class CacheCore:
         for i in range(B):
             self.seqs.touch(self.b_seqs[i])
         return out
+
+    def read_kv_pattern(self, sids, layer=0):
+        """Read the K and V bytes attend_batch(sids) reads, in its block pattern,
+        and compute nothing: for each sequence, each block its held tokens touch,
+        the block's K plane of `layer` (all KV heads), then its V plane
+        (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
+        (bytes read, XOR of all bytes read): the decode read ceiling the
+        benchmark measures over the same pool and block tables."""
+        self._claim()
+        try:
+            return self._read_kv_pattern(sids, layer)
+        finally:
+            self.busy = False
+
+    cdef object _read_kv_pattern(self, object sids, object layer):
+        cdef int l = self._check_layer(layer)
+        cdef int64_t B = self._batch_len(sids), i
+        cdef Seq *s
+        for i in range(B):
+            s = self.seqs.lookup(sids[i])
+            self._check_attendable(s, l, 1)
+            self.b_tables[i] = s.table
+            self.b_segs[i] = s.segs
+        cdef int nt = _nthreads if _nthreads > 0 else pkv_max_threads()
+        cdef const char *k = self.pool.plane(l)
+        cdef size_t plane = self.pool.geom.plane_bytes, nbytes = 0
+        cdef uint64_t x
+        with nogil:
+            x = pkv_read_pattern(k, k + plane, plane, self.pool.geom.block_bytes,
+                                 self.block_size, B, <const int32_t *const *>self.b_tables,
+                                 self.b_segs, _simd, nt, &nbytes)
+        x ^= x >> 32
+        x ^= x >> 16
+        x ^= x >> 8
+        return int(nbytes), int(x & 0xFF)
 
     # ------------------------------------------------------------------
     # gather

@@ -265,6 +265,14 @@ class PagedKVCache:
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
         return self._core.gather(sid, layer)
 
+    def read_kv_pattern(self, sids, layer: int = 0) -> Tuple[int, int]:
+        """Diagnostic: read the K and V bytes ``attend_batch(sids)`` reads, in the
+        same block pattern and with as many threads, and compute nothing.  Its
+        time is the ceiling of decode on this pool (``pagedkv bench`` reports
+        decode as a percentage of it).  Returns (bytes read, XOR of every byte
+        read).  Whole blocks are read where a sequence holds part of one."""
+        return self._core.read_kv_pattern(sids, layer)
+
     # ------------------------------------------------------------------
     # sequences
 

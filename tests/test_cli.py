@@ -40,8 +40,10 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
     want |= set(kv_rows)
     for r in dec:
         assert r["kv_dtypes"] == ["bfloat16", "float16", "int8"]
-        assert set(r["results"]) == want
+        assert set(r["results"]) == want | {"kv-pattern read"}
         assert set(r["ratios"]) == want - {"pagedkv"}
+        # decode as a percentage of the pattern read of the same rounds
+        assert _positive_finite(r["results"]["pagedkv"]["pct_pattern"])
         assert all(_positive_finite(x) for x in r["ratios"].values())
         for res in r["results"].values():
             assert _positive_finite(res["median_s"])
@@ -50,7 +52,7 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
         for name, res in r["results"].items():
             if name in kv_rows:  # storage dtypes: within their accuracy, and really rounded
                 assert 0 < res["max_rel_err_vs_pagedkv"] <= kv_rows[name]
-            elif name != "pagedkv":  # each baseline was checked against pagedkv
+            elif name not in ("pagedkv", "kv-pattern read"):  # each baseline was checked
                 assert res["max_rel_err_vs_pagedkv"] <= 1e-4
     out = capsys.readouterr().out
     assert "Decode" in out and "Targets" in out and "pagedkv speedup" in out
@@ -62,7 +64,7 @@ def test_bench_decode_without_kv_dtypes(tmp_path):
                   "--no-torch", "--kv-dtypes", "none")
     dec = [r for r in data["records"] if r["suite"] == "decode"]
     assert dec and all(r["kv_dtypes"] == [] for r in dec)
-    assert all(set(r["results"]) == {"pagedkv", "numpy", "numpy-gather"} for r in dec)
+    assert all(set(r["results"]) == {"pagedkv", "kv-pattern read", "numpy", "numpy-gather"} for r in dec)
 
 
 def test_bench_prefill_append_without_torch(tmp_path, capsys):

@@ -13,6 +13,7 @@
 #include "layout.h"
 #include "types.h"
 #include "simd.h"
+#include "kvread.h"
 
 #ifndef restrict
 #define restrict __restrict__

@@ -66,15 +66,19 @@ static inline void KFN(rope_key)(T *restrict dst, const S *restrict src, const p
 }
 
 /* y_r = y_r * alpha_r + sum_j p_r[j] * x[j]  for rows r < 4 (p_r = p + r * ps),
- * j < n; x rows are d long.  Each x vector is loaded once for four rows. */
+ * j < n; x rows are d long.  Each x vector is loaded once for four rows.  x spans
+ * [at, at + span) of the prefetch sequence (pf NULL: no prefetching). */
 static inline void KFN(pv4)(T *restrict y, int yd, const T *restrict alpha, const T *restrict p,
-                           int ps, const S *restrict x, int n, int d) {
+                           int ps, const S *restrict x, int n, int d, pkv_prefetch *pf,
+                           size_t at, size_t span) {
     int i = 0;
     T *y0 = y, *y1 = y + yd, *y2 = y + 2 * (size_t)yd, *y3 = y + 3 * (size_t)yd;
     const T *p0 = p, *p1 = p + ps, *p2 = p + 2 * ps, *p3 = p + 3 * ps;
     const VEC al0 = VSET1(alpha[0]), al1 = VSET1(alpha[1]), al2 = VSET1(alpha[2]),
               al3 = VSET1(alpha[3]);
+    const size_t step = span / (size_t)d; /* bytes per dimension of the run */
     for (; i + 2 * W <= d; i += 2 * W) {
+        if (pf) pkv_pf_consumed(pf, at + step * (size_t)(i + 2 * W));
         VEC a0 = VMUL(VLOAD(y0 + i), al0), b0 = VMUL(VLOAD(y0 + i + W), al0);
         VEC a1 = VMUL(VLOAD(y1 + i), al1), b1 = VMUL(VLOAD(y1 + i + W), al1);
         VEC a2 = VMUL(VLOAD(y2 + i), al2), b2 = VMUL(VLOAD(y2 + i + W), al2);
@@ -167,31 +171,39 @@ static inline T KFN(score)(const T *restrict q, const void *k, int k_rotated, in
     return KDOT(dot)(q, (const S *)k + (size_t)j * d, d);
 }
 
-/* ---- online softmax over a run of held keys -------------------------------
- * Folds keys of ranks [r, r + n) (stored contiguously at k / v, n <= bs) into
- * the running state (m, l, acc) of nq query rows.  Row i sees only ranks
- * <= lim[i].  Scores go to sbuf [nq][n]: first all scores (each key loaded
- * once per four rows), then one vectorized exp per row, then P.V (each value
- * loaded once per four rows).
+/* ---- online softmax over the blocks of a work item ------------------------
+ * A run is n keys of ranks [r, r + n) of one block (n <= bs), stored
+ * contiguously per head.  A work item folds a run into the running state
+ * (m, l, acc) of its query rows in three phases over all its heads:
+ *
+ *   K phase   scores of every head's rows against its keys, head after head:
+ *             the item reads the block's K run of its heads front to back
+ *   softmax   per row: new max, rescale factor alpha, exp of the scores
+ *   V phase   acc = acc * alpha + P . V, head after head: the V run front
+ *             to back
+ *
+ * so memory sees two long runs per block, and the prefetch cursor
+ * (kvread.h), told the offset consumed, keeps PKV_PF_AHEAD bytes in flight
+ * across the jump to the next block.  Row i of a head sees only ranks
+ * <= lim[i]; rows[0, na) are the rows that see rank r at all.  Scores go to
+ * sbuf [head][na][n], alpha to [head][na].
+ *
+ * Measured on an AVX2 EPYC (benchmarks/c/decode_ceiling.c, f32 B=8 L=2048,
+ * 1 thread, CPU time paired per round): the former order (K then V of each
+ * head in turn, prefetching the next head's runs into L1 spread over the
+ * score loop) 50-58% of the pattern read, this one 60-72%; f64 44-46% ->
+ * 66%.  Splitting one sequence over 2 threads by key chunks instead of by
+ * head groups made no difference there (head groups kept: no merge).
  */
-static inline void KFN(fold_run)(const T *restrict q, int nq, const int64_t *lim, int64_t r,
-                                 const void *restrict k, int k_rotated, const S *restrict v,
-                                 int n, int d, T *restrict acc, double *m, double *l,
-                                 T *restrict sbuf, T *restrict alpha, const char *kn,
-                                 const char *vn, size_t pf_bytes) {
-    /* k: n stored keys, or (k_rotated) n keys rotated into the compute type.
-     * kn, vn: the next run's K and V, pf_bytes each (NULL: none); they are
-     * prefetched spread over the score loop below, a few lines per key */
+
+/* Scores of rows[0, na) of q (one head) against the run's n keys; the K run
+ * consumed spans [at, at + span) of the prefetch sequence. */
+static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na, const void *k,
+                                   int k_rotated, int n, int d, T *restrict sbuf,
+                                   pkv_prefetch *pf, size_t at, size_t span) {
     const S *ks = (const S *)k;
     const T *kt = (const T *)k;
-    const size_t pf_step = (pf_bytes / (size_t)(n > 0 ? n : 1) + 63) & ~(size_t)63;
-    size_t pf = kn ? 0 : pf_bytes;
-    int rows[PKV_MAX_ROWS];
-    int na = 0;
-    for (int i = 0; i < nq; i++)
-        if (lim[i] >= r) rows[na++] = i;
-    if (na == 0) return;
-
+    const size_t step = span / (size_t)n; /* bytes per key (no division in the loop) */
     int a = 0;
     for (; a + 4 <= na; a += 4) {
         const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
@@ -199,10 +211,7 @@ static inline void KFN(fold_run)(const T *restrict q, int nq, const int64_t *lim
         int j = 0;
         for (; j + 2 <= n; j += 2) {
             T t[8];
-            for (size_t e = pf + 2 * pf_step; pf < e && pf < pf_bytes; pf += 64) {
-                __builtin_prefetch((const char *)kn + pf, 0, 3);
-                __builtin_prefetch((const char *)vn + pf, 0, 3);
-            }
+            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 2));
             if (k_rotated)
                 FN(dot4x2)(q0, q1, q2, q3, kt + (size_t)j * d, kt + (size_t)(j + 1) * d, d, t);
             else
@@ -222,17 +231,18 @@ static inline void KFN(fold_run)(const T *restrict q, int nq, const int64_t *lim
     for (; a < na; a++) {
         const T *qi = q + (size_t)rows[a] * d;
         for (int j = 0; j < n; j++) {
-            for (size_t e = pf + pf_step; pf < e && pf < pf_bytes; pf += 64) {
-                __builtin_prefetch((const char *)kn + pf, 0, 3);
-                __builtin_prefetch((const char *)vn + pf, 0, 3);
-            }
+            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 1));
             sbuf[(size_t)a * n + j] = KFN(score)(qi, k, k_rotated, j, d);
         }
     }
+    pkv_pf_consumed(pf, at + span);
+}
 
-    for (a = 0; a < na; a++) {
+/* Softmax step of rows[0, na) (one head) over the run's scores s [na][n]. */
+static inline void KFN(run_softmax)(T *restrict s, const int *rows, int na, const int64_t *lim,
+                                    int64_t r, int n, double *m, double *l, T *restrict alpha) {
+    for (int a = 0; a < na; a++, s += n) {
         const int i = rows[a];
-        T *s = sbuf + (size_t)a * n;
         const int64_t c64 = lim[i] - r + 1;
         const int cnt = c64 < n ? (int)c64 : n;
         T mx = s[0];
@@ -245,18 +255,26 @@ static inline void KFN(fold_run)(const T *restrict q, int nq, const int64_t *lim
         m[i] = m_new;
         alpha[a] = al;
     }
+}
 
-    for (a = 0; a + 4 <= na; a += 4) {
+/* acc rows (one head) = acc * alpha + P . V over the run's n values. */
+static inline void KFN(run_values)(T *restrict acc, const int *rows, int na, const T *restrict p,
+                                   const T *restrict alpha, const S *restrict v, int n, int d,
+                                   pkv_prefetch *pf, size_t at, size_t span) {
+    int a = 0;
+    for (; a + 4 <= na; a += 4) {
         /* rows[a..a+3] are consecutive in the common case; fall back otherwise */
         if (rows[a + 3] == rows[a] + 3) {
-            KFN(pv4)(acc + (size_t)rows[a] * d, d, alpha + a, sbuf + (size_t)a * n, n, v, n, d);
+            KFN(pv4)(acc + (size_t)rows[a] * d, d, alpha + a, p + (size_t)a * n, n, v, n, d,
+                     a == 0 ? pf : NULL, at, span);
         } else {
             for (int b = a; b < a + 4; b++)
-                KFN(scale_axpy_n)(acc + (size_t)rows[b] * d, alpha[b], sbuf + (size_t)b * n, v, n, d);
+                KFN(scale_axpy_n)(acc + (size_t)rows[b] * d, alpha[b], p + (size_t)b * n, v, n, d);
         }
     }
     for (; a < na; a++)
-        KFN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], sbuf + (size_t)a * n, v, n, d);
+        KFN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], p + (size_t)a * n, v, n, d);
+    pkv_pf_consumed(pf, at + span);
 }
 
 #endif /* !PKV_STORE_SCALED */
@@ -273,16 +291,20 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
     const int bs = a->bs, d = a->d;
     const size_t row = sizeof(S) * (size_t)d; /* bytes of one stored head vector */
     const size_t hstride = (size_t)bs * row;  /* one head of a block */
+    const size_t run = (size_t)nh * hstride;  /* the item's heads of a block */
     const size_t bstride = a->block_stride;   /* one block */
     const char *kb = (const char *)a->k + (size_t)h0 * hstride;
     const char *vb = (const char *)a->v + (size_t)h0 * hstride;
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
     const int nq = nh * nqh;
-    const int64_t nblk = (sg.b1 + bs - 1) / bs;
 #if PKV_STORE_SCALED
-    T *restrict vbuf = kbuf + (size_t)bs * d; /* scratch holds 2 * bs * d (attention.h) */
     const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
+    const size_t srow = sizeof(float) * (size_t)ngrp; /* scales of one head vector */
+    const size_t hscales = (size_t)bs * srow;         /* one head's scales in a block */
+    const char *ksc = (const char *)a->k + a->scale_offset + (size_t)h0 * hscales;
+    const char *vsc = (const char *)a->v + a->scale_offset + (size_t)h0 * hscales;
+    const int64_t nblk = (sg.b1 + bs - 1) / bs;
 #endif
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
@@ -295,69 +317,88 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
     const int64_t seg_slot[2] = {sg.a0, sg.b0};
     const int64_t seg_rank[2] = {0, n0};
     const int64_t seg_end[2] = {n0, n0 + sg.b1 - sg.b0};
+    int64_t rfirst[2], rlast[2], blo[2], bhi[2];
     for (int sgi = 0; sgi < 2; sgi++) {
-        int64_t rr = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
-        const int64_t rlast = seg_end[sgi] < rend ? seg_end[sgi] : rend;
+        rfirst[sgi] = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
+        rlast[sgi] = seg_end[sgi] < rend ? seg_end[sgi] : rend;
+        if (rlast[sgi] < rfirst[sgi]) rlast[sgi] = rfirst[sgi];
+        pkv_blocks_of(seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]),
+                      seg_slot[sgi] + (rlast[sgi] - seg_rank[sgi]), bs, &blo[sgi], &bhi[sgi]);
+    }
+    pkv_prefetch pf;
+    pkv_pf_init(&pf, kb, vb, table, bstride, run, blo, bhi);
+    pkv_pf_consumed(&pf, 0);
+    size_t at = 0; /* offset of the current block in the prefetch sequence */
+    int rows[PKV_MAX_ROWS];
+    for (int sgi = 0; sgi < 2; sgi++) {
+        int64_t rr = rfirst[sgi];
         int64_t slot = seg_slot[sgi] + (rr - seg_rank[sgi]);
-        while (rr < rlast) {
+        while (rr < rlast[sgi]) {
             const int64_t bi = slot / bs;
             const int off = (int)(slot - bi * bs);
             int n = bs - off;
-            if (n > rlast - rr) n = (int)(rlast - rr);
+            if (n > rlast[sgi] - rr) n = (int)(rlast[sgi] - rr);
             const size_t base = (size_t)table[bi] * bstride + (size_t)off * row;
-            /* the next block may be anywhere in the pool: fold_run asks for it
-             * key by key while it computes on this one */
-            for (int hh = 0; hh < nh; hh++) {
-                const char *kp = kb + base + hh * hstride, *vp = vb + base + hh * hstride;
-                /* prefetch the run needed next: this block's next head, or the
-                 * next block's first one (measured: -10% time per key-head over
-                 * prefetching the next block's same head; farther ahead, or into
-                 * L2 only, made no difference on the development machine) */
-                const int ahead = hh + 1;
-                const int64_t pbi = bi + ahead / nh;
-                const size_t pn = pbi < nblk ? (size_t)table[pbi] * bstride + (ahead % nh) * hstride : 0;
-                const char *kn = pbi < nblk ? kb + pn : NULL;
-                const char *vn = pbi < nblk ? vb + pn : NULL;
+            int na = 0;
+            for (int i = 0; i < nqh; i++)
+                if (lim[i] >= rr) rows[na++] = i;
+            if (na > 0) {
 #if PKV_STORE_SCALED
-                /* int8: K and V of the run dequantized into scratch (L1), keys
-                 * rotated there; then the compute-type fold.  fold_run prefetches
-                 * the next run's values; its scales are prefetched here (best of
-                 * 30 calls, B=1 L=8192 D=128, 1 thread, AVX2, busy machine: int8
-                 * time / f32 time 0.90 -> 0.82).  Staging in sub-runs of 8 keys
-                 * (less scratch in L1) was measured no faster. */
-                const size_t so = (size_t)table[bi] * bstride + a->scale_offset +
-                                  ((size_t)(h0 + hh) * bs + off) * sizeof(float) * ngrp;
-                if (kn) {
-                    const size_t nso = (size_t)table[pbi] * bstride + a->scale_offset +
-                                       (size_t)(h0 + ahead % nh) * bs * sizeof(float) * ngrp;
-                    for (size_t o = 0; o < (size_t)bs * ngrp * sizeof(float); o += 64) {
-                        __builtin_prefetch((const char *)a->k + nso + o, 0, 3);
-                        __builtin_prefetch((const char *)a->v + nso + o, 0, 3);
+                /* int8: each head's run is dequantized into scratch (L1), keys
+                 * rotated there, and folded by the compute-type phases.  The
+                 * cursor prefetches the values; the next block's scales are
+                 * asked for here. */
+                if (bi + 1 < nblk) {
+                    const size_t nso = (size_t)table[bi + 1] * bstride;
+                    for (size_t o = 0; o < (size_t)nh * hscales; o += 64) {
+                        __builtin_prefetch(ksc + nso + o, 0, 3);
+                        __builtin_prefetch(vsc + nso + o, 0, 3);
                     }
                 }
-                KFN(dequant_run)(kbuf, (const S *)kp, (const float *)((const char *)a->k + so), n, d);
-                KFN(dequant_run)(vbuf, (const S *)vp, (const float *)((const char *)a->v + so), n, d);
-                if (a->rope)
-                    for (int j = 0; j < n; j++)
-                        FN(rope_one)(kbuf + (size_t)j * d, kbuf + (size_t)j * d, a->rope, rr + j, d);
-                const size_t r0 = (size_t)hh * nqh;
-                CFN(fold_run)(q + r0 * d, nqh, lim, rr, kbuf, 1, vbuf, n, d, acc + r0 * d, m + r0,
-                              l + r0, sbuf, alpha, kn, vn, hstride);
-#else
-                const void *kr = kp;
-                const int krot = a->rope != NULL;
-                const S *vr = (const S *)vp;
-                if (a->rope) {
-                    for (int j = 0; j < n; j++)
-                        KFN(rope_key)(kbuf + (size_t)j * d, (const S *)kp + (size_t)j * d, a->rope,
-                                      rr + j, d);
-                    kr = kbuf;
+                const size_t so = (size_t)table[bi] * bstride + (size_t)off * srow;
+                for (int hh = 0; hh < nh; hh++) {
+                    KFN(dequant_run)(kbuf, (const S *)(kb + base + hh * hstride),
+                                     (const float *)(ksc + so + hh * hscales), n, d);
+                    if (a->rope)
+                        for (int j = 0; j < n; j++)
+                            FN(rope_one)(kbuf + (size_t)j * d, kbuf + (size_t)j * d, a->rope, rr + j, d);
+                    CFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kbuf, 1, n, d,
+                                    sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
                 }
-                const size_t r0 = (size_t)hh * nqh;
-                KFN(fold_run)(q + r0 * d, nqh, lim, rr, kr, krot, vr, n, d,
-                              acc + r0 * d, m + r0, l + r0, sbuf, alpha, kn, vn, hstride);
+                for (int hh = 0; hh < nh; hh++)
+                    CFN(run_softmax)(sbuf + (size_t)hh * na * n, rows, na, lim, rr, n,
+                                     m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
+                for (int hh = 0; hh < nh; hh++) {
+                    KFN(dequant_run)(kbuf, (const S *)(vb + base + hh * hstride),
+                                     (const float *)(vsc + so + hh * hscales), n, d);
+                    CFN(run_values)(acc + (size_t)hh * nqh * d, rows, na, sbuf + (size_t)hh * na * n,
+                                    alpha + hh * na, kbuf, n, d, &pf, at + run + hh * hstride,
+                                    hstride);
+                }
+#else
+                for (int hh = 0; hh < nh; hh++) {
+                    const char *kp = kb + base + hh * hstride;
+                    const void *kr = kp;
+                    if (a->rope) {
+                        for (int j = 0; j < n; j++)
+                            KFN(rope_key)(kbuf + (size_t)j * d, (const S *)kp + (size_t)j * d,
+                                          a->rope, rr + j, d);
+                        kr = kbuf;
+                    }
+                    KFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kr, a->rope != NULL, n, d,
+                                    sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
+                }
+                for (int hh = 0; hh < nh; hh++)
+                    KFN(run_softmax)(sbuf + (size_t)hh * na * n, rows, na, lim, rr, n,
+                                     m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
+                for (int hh = 0; hh < nh; hh++)
+                    KFN(run_values)(acc + (size_t)hh * nqh * d, rows, na,
+                                    sbuf + (size_t)hh * na * n, alpha + hh * na,
+                                    (const S *)(vb + base + hh * hstride), n, d, &pf,
+                                    at + run + hh * hstride, hstride);
 #endif
             }
+            at += 2 * run;
             rr += n;
             slot += n;
         }

@@ -22,8 +22,18 @@ output is checked against pagedkv's within the storage's accuracy, and their
 ratio is pagedkv (f32/f64 storage) time / their time.  Their GB/s counts the
 bytes they read (the stored K+V, int8 scales included).
 
+The read ceiling, measured in the same interleaved rounds:
+
+* ``kv-pattern read``: ``cache.read_kv_pattern(sids)`` reads the bytes
+  attend_batch reads in the same block pattern (same pool, same block tables,
+  each block's K plane then its V plane, as many threads) and computes
+  nothing (include/pagedkv/kvread.h).  Its XOR checksum is checked against
+  the K and V arrays.
+
 Figures: GB/s = K+V bytes of the B sequences (read once per step) / time;
-%BW = that / measured read bandwidth at the same thread count; GFLOP/s =
+%BW = that / measured sequential read bandwidth at the same thread count;
+%pat = pagedkv's GB/s / the pattern read's GB/s, paired per round (the median
+over rounds of the ratio measured in the same round); GFLOP/s =
 4 * B * Hq * L * D / time (two multiply-adds per key and query head element).
 """
 from __future__ import annotations
@@ -57,7 +67,8 @@ from pagedkv.benchmarks.common import (
 NUMPY = "numpy"
 GATHER = "numpy-gather"
 TORCH = "torch-sdpa"
-IMPLS = (PAGEDKV, NUMPY, GATHER, TORCH)
+PATTERN = "kv-pattern read"
+IMPLS = (PAGEDKV, PATTERN, NUMPY, GATHER, TORCH)
 # max |error| / max |pagedkv output| a storage dtype may add (random normal K/V; see the README's
 # accuracy table)
 KV_CHECK_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2}
@@ -163,6 +174,12 @@ class _Case:
         return 2 * self.K.nbytes
 
     @property
+    def pattern_bytes(self) -> int:
+        """Bytes the pattern read reads: whole blocks of K and V."""
+        nblk = -(-self.L // BLOCK_SIZE)
+        return 2 * self.B * nblk * BLOCK_SIZE * self.sh.hkv * self.sh.d * self.K.itemsize
+
+    @property
     def flops(self) -> int:
         return 4 * self.B * self.sh.hq * self.L * self.sh.d
 
@@ -181,6 +198,11 @@ class _Case:
             for _ in range(n):
                 attend(sids, q, out=out)
         return run
+
+    def run_pattern(self, n: int) -> None:
+        read, sids = self.cache.read_kv_pattern, self.sids
+        for _ in range(n):
+            self.pattern = read(sids)
 
     def run_numpy(self, n: int) -> None:
         Kt = self.K.transpose(0, 1, 3, 2)
@@ -247,6 +269,7 @@ def run(settings: Settings) -> List[dict]:
                 for t in settings.threads:
                     cool = settings.cooldown_after_blas(t)
                     impls: Dict[str, Impl] = {PAGEDKV: Impl(case.run_pagedkv),
+                                              PATTERN: Impl(case.run_pattern),
                                               NUMPY: Impl(case.run_numpy, cooldown=cool)}
                     if not skip_gather:
                         impls[GATHER] = Impl(case.run_gather, cooldown=cool)
@@ -272,11 +295,22 @@ def run(settings: Settings) -> List[dict]:
     return recs
 
 
+def _xor_bytes(a: np.ndarray) -> int:
+    """XOR of every byte of `a`."""
+    w = np.bitwise_xor.reduce(a.reshape(-1).view(np.uint64))
+    return int(np.bitwise_xor.reduce(np.frombuffer(w.tobytes(), dtype=np.uint8)))
+
+
 def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
+    nbytes, xor = case.pattern
+    want_xor = _xor_bytes(case.K) ^ _xor_bytes(case.V)
+    if nbytes != case.pattern_bytes or xor != want_xor:
+        raise AssertionError(f"kv-pattern read: read {nbytes} bytes with XOR {xor}, expected "
+                             f"{case.pattern_bytes} bytes with XOR {want_xor}")
     want = case.outputs(PAGEDKV)
     errors = {}
     for name in impls:
-        if name == PAGEDKV:
+        if name in (PAGEDKV, PATTERN):
             continue
         kv = [k for k in case.kv if kv_impl(k) == name]
         if kv:
@@ -297,17 +331,21 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -
     kv_names = {kv_impl(k): k for k in case.kv}
     for name, tm in timings.items():
         r = tm.as_dict()
-        nbytes = case.kv[kv_names[name]][3] if name in kv_names else case.kv_bytes
+        nbytes = (case.kv[kv_names[name]][3] if name in kv_names
+                  else case.pattern_bytes if name == PATTERN else case.kv_bytes)
         r["gbps"] = nbytes / tm.median / 1e9
         r["pct_bw"] = 100.0 * nbytes / tm.median / bw if bw else None
         r["gflops"] = case.flops / tm.median / 1e9
-        if name != PAGEDKV:
+        if name not in (PAGEDKV, PATTERN):
             r["max_rel_err_vs_pagedkv"] = errors[name]
         results[name] = r
+    # decode GB/s as a fraction of the pattern read's, paired per round
+    results[PAGEDKV]["pct_pattern"] = (100.0 * case.kv_bytes / case.pattern_bytes
+                                       * paired_ratio(timings[PATTERN], timings[PAGEDKV]))
     # baselines: their time / pagedkv's; storage dtypes: pagedkv's time / theirs
     ratios = {name: (paired_ratio(timings[PAGEDKV], tm) if name in kv_names
                      else paired_ratio(tm, timings[PAGEDKV]))
-              for name, tm in timings.items() if name != PAGEDKV}
+              for name, tm in timings.items() if name not in (PAGEDKV, PATTERN)}
     return {"suite": "decode", "dtype": case.dtype, "threads": t, "B": case.B, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "block_size": BLOCK_SIZE,
             "kv_bytes": case.kv_bytes, "flops": case.flops, "results": results,
@@ -321,7 +359,9 @@ def report(settings: Settings, recs: List[dict]) -> str:
     sh = recs[0]
     head = (f"Decode: one query per sequence, Hq={sh['Hq']} Hkv={sh['Hkv']} D={sh['D']}, "
             f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
-            "%BW is against the\nmeasured read bandwidth at the same thread count; "
+            "%BW is against the\nmeasured sequential read bandwidth at the same thread count, "
+            "%pat against the kv-pattern read\n(the same bytes in the same block order, nothing "
+            "computed; paired per round); "
             "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
             "faster);\nspread = (max - min) / median of the rounds.  pagedkv-bf16/f16/i8: "
             "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
@@ -338,12 +378,14 @@ def report(settings: Settings, recs: List[dict]) -> str:
             first = False
             if res is None:
                 why = "skipped" if name in r["skipped"] else "n/a"
-                rows.append(cfg + [name, why, "", "", "", "", ""])
+                rows.append(cfg + [name, why, "", "", "", "", "", ""])
                 continue
-            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+            speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
+            pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
+            flops = "" if name == PATTERN else fmt_num(res["gflops"])
             rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_spread(res),
-                               fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]),
-                               fmt_num(res["gflops"]), speed])
-    right = [False, True, True, True, False, True, True, True, True, True, True]
+                               fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
+                               flops, speed])
+    right = [False, True, True, True, False, True, True, True, True, True, True, True]
     return head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
-                                "%BW", "GFLOP/s", "pagedkv speedup"], rows, right)
+                                "%BW", "%pat", "GFLOP/s", "pagedkv speedup"], rows, right)

@@ -6,7 +6,7 @@ from typing import List
 from pagedkv.benchmarks.common import short_dtype
 
 COLORS = {"pagedkv": "tab:blue", "numpy": "tab:orange", "numpy-gather": "tab:green",
-          "torch-sdpa": "tab:red", "torch": "tab:red"}
+          "torch-sdpa": "tab:red", "torch": "tab:red", "kv-pattern read": "tab:gray"}
 
 
 def plot_results(results: dict, path: str) -> None:
@@ -36,7 +36,7 @@ def plot_results(results: dict, path: str) -> None:
             rb = sorted((r for r in rs if r["B"] == B), key=lambda r: r["L"])
             if not rb:
                 continue
-            for name in ("pagedkv", "numpy", "numpy-gather", "torch-sdpa"):
+            for name in ("pagedkv", "kv-pattern read", "numpy", "numpy-gather", "torch-sdpa"):
                 pts = [(r["L"], r["results"][name]["gbps"]) for r in rb if name in r["results"]]
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", color=COLORS[name],

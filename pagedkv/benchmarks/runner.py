@@ -290,7 +290,8 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
                 tr = r["results"].get(decode_suite.TORCH)
                 out["decode"].append({
                     "dtype": dtype, "B": B, "L": L, "threads": t, "gbps": p["gbps"],
-                    "pct_bw": p["pct_bw"], "time_s": p["median_s"],
+                    "pct_bw": p["pct_bw"], "pct_pattern": p.get("pct_pattern"),
+                    "time_s": p["median_s"],
                     "torch_time_s": tr["median_s"] if tr else None,
                     "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
     for dtype in ("float32", "float64"):
@@ -331,7 +332,7 @@ def format_targets(t: dict) -> str:
     for d in t["decode"]:
         rows.append([f"decode {short_dtype(d['dtype'])} B={d['B']} L={d['L']}", str(d["threads"]),
                      fmt_time(d["time_s"]), f"{fmt_num(d['gbps'])} GB/s = {fmt_pct(d['pct_bw'])} "
-                     "of measured BW",
+                     f"of measured BW, {fmt_pct(d.get('pct_pattern'))} of the pattern read",
                      f"torch-sdpa(folded GQA) {fmt_time(d['torch_time_s'])}",
                      fmt_ratio(d["ratio_vs_torch"])])
     for d in t["small_call"]:

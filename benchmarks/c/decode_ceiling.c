@@ -1,0 +1,278 @@
+/* decode_ceiling.c -- decode against its read ceilings, without Python.
+ *
+ * One pool holding B sequences of L tokens (1 layer, Hkv heads, head dim D,
+ * block size bs), their blocks in a shuffled physical order.  Interleaved
+ * rounds of three timings, each reported as GB/s of K+V bytes:
+ *
+ *   seq      the core's sequential read kernel (pkv_read_sum) over a buffer
+ *            of the same size as the pool
+ *   pattern  pkv_read_pattern (kvread.h): K plane then V plane of every
+ *            block, in the sequences' block-table order
+ *   decode   the core's decode kernel (attention.h) on the same pool
+ *
+ * and decode as % of pattern and of seq.  The kernels are the project's own
+ * headers, compiled with the flags of setup.py (no -m flags: the SIMD path is
+ * chosen at run time, PAGEDKV_SIMD=scalar|avx2|avx512|neon forces one).  Build and
+ * run: see run.sh next to this file.
+ *
+ * usage: decode_ceiling [f32|f64] B L threads rounds [Hq Hkv D bs]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pagedkv/attention.h"
+#include "pagedkv/kvread.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+/* CPU seconds of the whole process (all threads): on a machine shared with
+ * other jobs, time spent descheduled does not count.  Run with
+ * OMP_WAIT_POLICY=passive so that waiting threads do not spin. */
+static double cpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void) { /* xorshift64* */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1Dull;
+}
+static double urand(void) { return (double)(rng() >> 11) / 9007199254740992.0 * 2.0 - 1.0; }
+
+static void *xalloc(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    memset(p, 0, n);
+    return p;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void summary(const char *name, double *t, int n, double bytes, double *med_out) {
+    qsort(t, n, sizeof(double), cmp_d);
+    const double med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    printf("  %-8s median %8.3f ms  %6.2f GB/s  (best %6.2f, worst %6.2f GB/s)\n", name,
+           med * 1e3, bytes / med / 1e9, bytes / t[0] / 1e9, bytes / t[n - 1] / 1e9);
+    *med_out = med;
+}
+
+static int simd_from_env(void) {
+    const int det = pkv_detect_simd();
+    const char *e = getenv("PAGEDKV_SIMD");
+    if (!e || !*e) return det;
+    int want = !strcmp(e, "scalar") ? PKV_SIMD_SCALAR : !strcmp(e, "avx2") ? PKV_SIMD_AVX2
+             : !strcmp(e, "avx512") ? PKV_SIMD_AVX512 : !strcmp(e, "neon") ? PKV_SIMD_NEON : -1;
+    /* x86 paths are ordered (a CPU with AVX-512 runs AVX2); NEON only where detected */
+    if (want < 0 || (want != PKV_SIMD_SCALAR && (want > det || (want == PKV_SIMD_NEON) != (det == PKV_SIMD_NEON)))) {
+        fprintf(stderr, "PAGEDKV_SIMD=%s not available here\n", e);
+        exit(2);
+    }
+    return want;
+}
+
+/* Largest |out - reference| / max |reference| of decode: a plain double
+ * loop over the same pool (the harness refuses to time a wrong kernel). */
+static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
+    const int d = a->d, bs = a->bs, gsz = a->hq / a->hkv;
+    const int64_t L = a->segs[0].b1;
+    double *s = xalloc(sizeof(double) * L), *o = xalloc(sizeof(double) * d);
+    double err = 0, big = 0;
+#define AT(p, i) (f64 ? ((const double *)(p))[i] : (double)((const float *)(p))[i])
+    for (int64_t b = 0; b < a->nseq; b++)
+        for (int h = 0; h < a->hq; h++) {
+            const int kh = h / gsz;
+            const size_t qo = ((size_t)b * a->hq + h) * d;
+            double mx = -INFINITY, sum = 0;
+            for (int64_t t = 0; t < L; t++) {
+                const char *kp = (const char *)a->k + (size_t)a->tables[b][t / bs] * g->block_bytes +
+                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                double x = 0;
+                for (int i = 0; i < d; i++) x += AT(a->q, qo + i) * AT(kp, i);
+                s[t] = x * a->scale;
+                if (s[t] > mx) mx = s[t];
+            }
+            memset(o, 0, sizeof(double) * d);
+            for (int64_t t = 0; t < L; t++) {
+                const char *vp = (const char *)a->v + (size_t)a->tables[b][t / bs] * g->block_bytes +
+                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                const double p = exp(s[t] - mx);
+                sum += p;
+                for (int i = 0; i < d; i++) o[i] += p * AT(vp, i);
+            }
+            for (int i = 0; i < d; i++) {
+                const double want = o[i] / sum, got = AT(a->out, qo + i);
+                if (fabs(got - want) > err) err = fabs(got - want);
+                if (fabs(want) > big) big = fabs(want);
+            }
+        }
+#undef AT
+    free(s);
+    free(o);
+    return err / (big > 0 ? big : 1);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s f32|f64 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
+        return 2;
+    }
+    const int f64 = !strcmp(argv[1], "f64");
+    const int64_t B = atoll(argv[2]), L = atoll(argv[3]);
+    const int nthreads = atoi(argv[4]), rounds = atoi(argv[5]);
+    const int hq = argc > 6 ? atoi(argv[6]) : 32, hkv = argc > 7 ? atoi(argv[7]) : 8;
+    const int d = argc > 8 ? atoi(argv[8]) : 128, bs = argc > 9 ? atoi(argv[9]) : 16;
+    if (B < 1 || L < 1 || nthreads < 1 || rounds < 1 || hkv < 1 || hq % hkv || d < 1 || bs < 1) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+    const int simd = simd_from_env();
+    const pkv_dtype dt = f64 ? PKV_F64 : PKV_F32;
+    const size_t item = f64 ? 8 : 4;
+    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, dt);
+    const int64_t nblk = (L + bs - 1) / bs, nb = B * nblk;
+
+    /* pool, blocks shuffled */
+    char *arena = xalloc((size_t)nb * g.block_bytes);
+    int32_t *perm = xalloc(sizeof(int32_t) * nb);
+    for (int64_t i = 0; i < nb; i++) perm[i] = (int32_t)i;
+    for (int64_t i = nb - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(rng() % (uint64_t)(i + 1));
+        const int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int32_t **tables = xalloc(sizeof(int32_t *) * B);
+    pkv_segs *segs = xalloc(sizeof(pkv_segs) * B);
+    for (int64_t b = 0; b < B; b++) {
+        tables[b] = perm + b * nblk;
+        segs[b].a0 = segs[b].a1 = segs[b].b0 = 0;
+        segs[b].b1 = L;
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        char *blk = arena + (size_t)i * g.block_bytes;
+        const size_t n = 2 * g.plane_bytes / item;
+        for (size_t j = 0; j < n; j++) {
+            if (f64) ((double *)blk)[j] = urand();
+            else ((float *)blk)[j] = (float)urand();
+        }
+    }
+    char *q = xalloc((size_t)B * hq * d * item), *out = xalloc((size_t)B * hq * d * item);
+    for (size_t j = 0; j < (size_t)B * hq * d; j++) {
+        if (f64) ((double *)q)[j] = urand();
+        else ((float *)q)[j] = (float)urand();
+    }
+    const size_t stride = PKV_ALIGN_UP(pkv_scratch_bytes(bs, d, item));
+    const int64_t slots = 2 * (int64_t)nthreads;
+    void *scratch = xalloc(stride * nthreads);
+    void *partial = xalloc(pkv_partial_slot_bytes(d, item) * slots);
+    int64_t plan[3] = {0, 0, 0};
+    pkv_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.k = arena;
+    a.v = arena + g.plane_bytes;
+    a.block_stride = g.block_bytes;
+    a.bs = bs;
+    a.hkv = hkv;
+    a.hq = hq;
+    a.d = d;
+    a.nseq = B;
+    a.tables = (const int32_t *const *)tables;
+    a.segs = segs;
+    a.q = q;
+    a.out = out;
+    a.nq = 1;
+    a.scale = 1.0 / sqrt((double)d);
+    a.rope = NULL;
+    a.scratch = scratch;
+    a.scratch_stride = stride;
+    a.partial = partial;
+    a.partial_slots = slots;
+    a.nthreads = nthreads;
+    a.plan_out = plan;
+    const pkv_kernels *kern = pkv_kernels_for(dt, dt, simd);
+    if (!kern) {
+        fprintf(stderr, "no kernel for this dtype / SIMD path\n");
+        return 1;
+    }
+
+    /* sequential buffer of the same size as the K+V read */
+    const size_t kv = (size_t)nb * 2 * g.plane_bytes;
+    char *seqbuf = xalloc(kv);
+    for (size_t j = 0; j < kv / 4; j++) ((float *)seqbuf)[j] = 1.0f;
+
+    double *ts = xalloc(sizeof(double) * rounds), *tp = xalloc(sizeof(double) * rounds);
+    double *td = xalloc(sizeof(double) * rounds);
+    double *cp = xalloc(sizeof(double) * rounds), *cd = xalloc(sizeof(double) * rounds);
+    volatile double sink = 0;
+    volatile uint64_t xsink = 0;
+    size_t pat_bytes = 0;
+    /* warm-up: pages resident, threads started */
+    sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
+    xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs, simd,
+                              nthreads, &pat_bytes);
+    kern->decode(&a);
+    const double err = check(&a, &g, f64);
+    if (err > (f64 ? 1e-12 : 1e-5)) {
+        fprintf(stderr, "decode differs from the reference: max error %.3g of max |out|\n", err);
+        return 1;
+    }
+    for (int r = 0; r < rounds; r++) {
+        double t0 = now();
+        sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
+        double t1 = now(), c1 = cpu_now();
+        xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs,
+                                  simd, nthreads, NULL);
+        double t2 = now(), c2 = cpu_now();
+        kern->decode(&a);
+        double t3 = now(), c3 = cpu_now();
+        cp[r] = c2 - c1;
+        cd[r] = c3 - c2;
+        ts[r] = t1 - t0;
+        tp[r] = t2 - t1;
+        td[r] = t3 - t2;
+    }
+    static const char *simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon"};
+    printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
+           "K+V %.1f MiB, %d rounds, max error %.1e\n",
+           f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
+           simd_names[simd], (long long)plan[0], (long long)plan[1], (long long)plan[2],
+           kv / 1048576.0, rounds, err);
+    /* per round: pattern time / decode time of the same round (robust to a
+     * busy machine, whose load drifts between rounds more than within one) */
+    double *pr = xalloc(sizeof(double) * rounds), *sr = xalloc(sizeof(double) * rounds);
+    for (int r = 0; r < rounds; r++) {
+        pr[r] = tp[r] / td[r];
+        sr[r] = ts[r] / td[r];
+        cp[r] = cp[r] / cd[r];
+    }
+    qsort(pr, rounds, sizeof(double), cmp_d);
+    qsort(sr, rounds, sizeof(double), cmp_d);
+    qsort(cp, rounds, sizeof(double), cmp_d);
+    double ms, mp, md;
+    summary("seq", ts, rounds, (double)kv, &ms);
+    summary("pattern", tp, rounds, (double)pat_bytes, &mp);
+    summary("decode", td, rounds, (double)kv, &md);
+    printf("  decode = %.1f%% of pattern, %.1f%% of seq (ratio of medians)\n", 100.0 * mp / md,
+           100.0 * ms / md);
+    printf("  paired per round: %.1f%% of pattern (min %.1f, max %.1f), %.1f%% of seq\n",
+           100.0 * pr[rounds / 2], 100.0 * pr[0], 100.0 * pr[rounds - 1], 100.0 * sr[rounds / 2]);
+    printf("  cpu time, paired: %.1f%% of pattern (min %.1f, max %.1f)\n", 100.0 * cp[rounds / 2],
+           100.0 * cp[0], 100.0 * cp[rounds - 1]);
+    return sink == 12345.0 && xsink == 1 ? 3 : 0;
+}
