@@ -282,10 +282,9 @@ class PagedLayer(CacheLayerMixin):
                              f"{tuple(key.shape)} disagree in batch or length")
         real = _real_tokens(attention_mask, B, T)
         layer = self.layer_idx
-        with torch.no_grad():
-            q = query.detach().numpy().transpose(0, 2, 1, 3)   # [B, T, Hq, D]
-            k = key.detach().numpy().transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
-            v = value.detach().numpy().transpose(0, 2, 1, 3)
+        q = _numpy(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
+        k = _numpy(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
+        v = _numpy(value).transpose(0, 2, 1, 3)
         out = torch.empty((B, T, hq, D), dtype=query.dtype)
         o = out.numpy()
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
@@ -308,6 +307,11 @@ class PagedLayer(CacheLayerMixin):
                 paged.append(sid, k[b][keep], v[b][keep], layer=layer)
                 o[b][keep] = paged.attend(sid, q[b][keep], layer=layer, scale=scaling)
         return out
+
+
+def _numpy(t) -> np.ndarray:
+    """A NumPy view of a CPU tensor (no copy; strides kept)."""
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
 def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
