@@ -239,6 +239,21 @@ def test_bfloat16_storage(models):
     assert agree >= 0.9, agree
 
 
+def test_readme_hf_example(capsys):
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.exists():
+        pytest.skip("README.md is not next to the tests (installed copy)")
+    (code,) = re.findall(r"```python hf\n(.*?)```", readme.read_text(), re.S)
+    ns = {}
+    exec(compile(code, str(readme), "exec"), ns)
+    assert ns["out"].shape == (1, 520)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "8" and lines[-1] == "[0, 1, 2, 3, 266, 267]"
+
+
 # ---------------------------------------------------------------------------
 # StreamingLLM against a NumPy re-run of the model with the paper's cache
 
