@@ -201,9 +201,20 @@ def test_errors(models):
         ours(_prompt(9, 2, 5), past_key_values=cache)
         with pytest.raises(ValueError, match="batch size 3"):
             ours(_prompt(9, 3, 1), past_key_values=cache)
+    small = paged_cache(ours, num_blocks=2, block_size=4)
     with pytest.raises(pagedkv.OutOfBlocksError):
         with torch.no_grad():
-            ours(_prompt(10, 1, 200), past_key_values=paged_cache(ours, num_blocks=2))
+            ours(_prompt(10, 1, 200), past_key_values=small)
+    assert small.get_seq_length() == 0 and small.paged.num_free_blocks == 2
+    with torch.no_grad():  # still usable
+        ours(_prompt(10, 1, 8), past_key_values=small)
+    assert small.get_seq_length() == 8 and small.paged.num_free_blocks == 0
+    rows = paged_cache(ours, num_blocks=3, block_size=4)   # the second row does not fit
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        with torch.no_grad():
+            ours(_prompt(10, 2, 8), past_key_values=rows)
+    assert [rows.paged.seq_len(s) for s in rows.sequence_ids] == [0, 0]
+    assert rows.get_seq_length() == 0 and rows.paged.num_free_blocks == 3
     if "kv_dtype" not in inspect.signature(pagedkv.PagedKVCache.__init__).parameters:
         with pytest.raises(TypeError, match="kv_dtype"):
             paged_cache(ours, num_blocks=8, kv_dtype="bfloat16")
@@ -249,9 +260,9 @@ def test_readme_hf_example(capsys):
     (code,) = re.findall(r"```python hf\n(.*?)```", readme.read_text(), re.S)
     ns = {}
     exec(compile(code, str(readme), "exec"), ns)
-    assert ns["out"].shape == (1, 520)
+    assert ns["out"].shape == (1, 320)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2] == "8" and lines[-1] == "[0, 1, 2, 3, 266, 267]"
+    assert lines[-2] == "8" and lines[-1] == "[0, 1, 2, 3, 66, 67]"
 
 
 # ---------------------------------------------------------------------------

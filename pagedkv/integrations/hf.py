@@ -254,8 +254,7 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"keys {tuple(key_states.shape)} {key_states.dtype} and values "
                              f"{tuple(value_states.shape)} {value_states.dtype} must match")
         self.rows.ensure(key_states.shape[0])
-        self.pending = (key_states, value_states)
-        self.seen += key_states.shape[-2]
+        self.pending = (key_states, value_states)  # `seen` grows once they are stored
         setattr(key_states, _LINK, self)
         return key_states, value_states
 
@@ -289,23 +288,40 @@ class PagedLayer(CacheLayerMixin):
         o = out.numpy()
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
+            self.seen += 1
             paged.attend_batch(rows.sid_array, q[:, 0], layer=layer, scale=scaling, out=o[:, 0])
             return out
+        # every row's tokens first; if one row's append fails on layer 0, the rows before it
+        # are truncated back, so the cache is unchanged (not under StreamingLLM: an append
+        # there may have evicted tokens first)
+        done = []
+        try:
+            for b, sid in enumerate(rows.sids):
+                if real is None:
+                    n_before = paged.seq_len(sid)
+                    paged.append(sid, k[b], v[b], layer=layer)
+                    done.append((sid, n_before))
+                elif real[b].any():
+                    n_before = paged.seq_len(sid)
+                    paged.append(sid, k[b][real[b]], v[b][real[b]], layer=layer)
+                    done.append((sid, n_before))
+        except BaseException:
+            if layer == 0 and paged.streaming is None:
+                for sid, n_before in done:
+                    paged.truncate(sid, n_before)
+            raise
         if real is not None and layer == 0:
-            base = self.seen - T
             for b in range(B):
-                rows.skipped[b].extend(base + np.flatnonzero(~real[b]))
+                rows.skipped[b].extend((self.seen + np.flatnonzero(~real[b])).tolist())
+        self.seen += T
         for b, sid in enumerate(rows.sids):
             if real is None:
-                paged.append(sid, k[b], v[b], layer=layer)
                 paged.attend(sid, q[b], layer=layer, scale=scaling,
                              out=o[b] if o[b].flags.c_contiguous else None)
                 continue
-            keep = real[b]
             o[b] = 0.0
-            if keep.any():
-                paged.append(sid, k[b][keep], v[b][keep], layer=layer)
-                o[b][keep] = paged.attend(sid, q[b][keep], layer=layer, scale=scaling)
+            if real[b].any():
+                o[b][real[b]] = paged.attend(sid, q[b][real[b]], layer=layer, scale=scaling)
         return out
 
 
