@@ -98,6 +98,8 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
         a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache``.
     """
     config = model.config.get_text_config(decoder=True)
+    if model.device.type != "cpu":
+        raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
     dtype = _DTYPES.get(model.dtype)
     if dtype is None:
         raise TypeError(f"pagedkv computes in float32 or float64; the model is {model.dtype} "
@@ -316,8 +318,7 @@ class PagedLayer(CacheLayerMixin):
         self.seen += T
         for b, sid in enumerate(rows.sids):
             if real is None:
-                paged.attend(sid, q[b], layer=layer, scale=scaling,
-                             out=o[b] if o[b].flags.c_contiguous else None)
+                paged.attend(sid, q[b], layer=layer, scale=scaling, out=o[b])
                 continue
             o[b] = 0.0
             if real[b].any():
