@@ -137,6 +137,22 @@ def test_num_return_sequences_with_sampling(models):
     assert cache.paged.stats().sequences_active == 4
 
 
+def test_assisted_decoding_crops(models, monkeypatch):
+    ours, ref = models
+    torch.manual_seed(4321)
+    assistant = LlamaForCausalLM(_config(num_hidden_layers=1)).eval()
+    crops = []
+    real_crop = PagedCache.crop
+    monkeypatch.setattr(PagedCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n)))
+    ids = _prompt(15, 1, 15)
+    cache = paged_cache(ours, num_blocks=16)
+    got = ours.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
+                        past_key_values=cache)
+    assert torch.equal(ref.generate(ids, max_new_tokens=24, do_sample=False), got)
+    assert any(n < 0 for n in crops)                # rejected drafts were rolled back
+    assert cache.paged.seq_len(cache.sequence_ids[0]) == cache.get_seq_length() == 38
+
+
 def test_row_operations_fork_truncate_free(models):
     ours, _ = models
     ids = _prompt(7, 2, 12)
