@@ -6,8 +6,6 @@ import sys
 import time
 from typing import List, Optional
 
-import numpy as np
-
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -17,61 +15,136 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("bench", add_help=False,
                    help="benchmark against NumPy and torch on this machine "
                         "(pagedkv bench --help)")
-    d = sub.add_parser("demo", help="a tiny decode loop printing cache statistics")
-    d.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
-    d.add_argument("--batch", type=int, default=4, help="sequences (default 4)")
-    d.add_argument("--prompt", type=int, default=100, help="prompt tokens per sequence")
+    d = sub.add_parser("demo", help="transformers generate() on a small random Llama with "
+                                     "pagedkv vs DynamicCache, then a long StreamingLLM run "
+                                     "(needs pip install 'pagedkv[hf]')")
+    d.add_argument("--new-tokens", type=int, default=48,
+                   help="tokens generated per prompt (default 48)")
+    d.add_argument("--stream-tokens", type=int, default=4000,
+                   help="tokens of the StreamingLLM run (default 4000)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     if argv and argv[0] == "bench":
         from pagedkv.benchmarks import run_bench  # noqa: PLC0415 - keep `demo` light
 
         return run_bench(argv[1:])
     args = p.parse_args(argv)
     if args.command == "demo":
-        return demo(args.steps, args.batch, args.prompt)
+        return demo(args.new_tokens, args.stream_tokens, progress=not args.no_progress)
     p.print_help()
     return 2
 
 
-def demo(steps: int = 32, batch: int = 4, prompt: int = 100) -> int:
-    """Prefill `batch` sequences with random K/V, then decode `steps` tokens:
-    each step appends one token per sequence and attends with one query."""
-    import pagedkv
+DEMO_MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+DEMO_PROMPTS = (37, 5, 21, 12)   # prompt lengths (random token ids: the model is random too)
 
-    hq, hkv, d, bs = 8, 2, 64, 16
-    rng = np.random.default_rng(0)
-    blocks = batch * (-(-(prompt + steps) // bs))
-    cache = pagedkv.PagedKVCache(num_blocks=blocks, block_size=bs, num_kv_heads=hkv,
-                                 head_dim=d, dtype="float32", max_seqs=batch)
-    print(f"pagedkv {pagedkv.__version__} demo: {batch} sequences, prompt {prompt} tokens, "
-          f"{steps} decode steps; SIMD {pagedkv.simd_backend()}, "
-          f"{pagedkv.get_num_threads()} thread(s)")
-    print(f"  new cache:    {cache}")
-    sids = [cache.add_sequence() for _ in range(batch)]
-    for sid in sids:
-        n = prompt
-        k = rng.standard_normal((n, hkv, d), dtype=np.float32)
-        cache.append(sid, k, rng.standard_normal((n, hkv, d), dtype=np.float32))
-        cache.attend(sid, rng.standard_normal((n, hq, d), dtype=np.float32))  # causal prefill
-    print(f"  after prefill: {cache}")
-    out = np.empty((batch, hq, d), dtype=np.float32)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        k = rng.standard_normal((batch, hkv, d), dtype=np.float32)
-        v = rng.standard_normal((batch, hkv, d), dtype=np.float32)
-        q = rng.standard_normal((batch, hq, d), dtype=np.float32)
-        cache.append_batch(sids, k, v)
-        cache.attend_batch(sids, q, out=out)
-    dt = time.perf_counter() - t0
-    print(f"  decoded {steps} steps in {dt * 1e3:.1f} ms ({dt / steps * 1e6:.0f} µs per step, "
-          "random inputs included)")
-    cache.free(sids[0])
-    st = cache.stats()
-    print(f"  freed sequence {sids[0]}: {cache}")
-    print(f"  stats: {st.blocks_used}/{st.blocks_total} blocks used, "
-          f"{st.tokens_held} tokens held in {st.token_slots_allocated} slots "
-          f"({st.internal_fragmentation:.1%} internal fragmentation), "
-          f"{st.bytes_used / 2**20:.2f} MiB of {st.bytes_total / 2**20:.2f} MiB")
-    return 0
+
+def demo(new_tokens: int = 48, stream_tokens: int = 4000, progress: bool = True) -> int:
+    """``pagedkv demo``: pagedkv inside transformers' ``generate()`` on a small random Llama
+    built from a config (fixed seed, nothing downloaded).  Generates for a left-padded batch
+    of prompts with pagedkv and with the default DynamicCache, checks the tokens agree,
+    prints tokens/s and the cache statistics, then runs StreamingLLM over a long stream
+    whose memory stays flat."""
+    if new_tokens < 1 or stream_tokens < 1:
+        print("pagedkv demo: --new-tokens and --stream-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        import torch  # noqa: PLC0415 - optional extra
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+
+        from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
+    except ImportError:
+        print("pagedkv demo needs transformers and torch: pip install 'pagedkv[hf]'",
+              file=sys.stderr)
+        return 1
+    import pagedkv
+    from pagedkv.benchmarks.common import Progress
+
+    def model():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                          max_position_embeddings=4096, **DEMO_MODEL)
+        return LlamaForCausalLM(cfg).eval()
+
+    ours, ref = model(), model()
+    print(f"pagedkv {pagedkv.__version__} demo: random Llama {DEMO_MODEL['num_hidden_layers']} "
+          f"layers, hidden {DEMO_MODEL['hidden_size']}, Hq={DEMO_MODEL['num_attention_heads']} "
+          f"Hkv={DEMO_MODEL['num_key_value_heads']} D={DEMO_MODEL['head_dim']} (seed 0, "
+          f"nothing downloaded); SIMD {pagedkv.simd_backend()}, torch {torch.__version__}")
+    g = torch.Generator().manual_seed(1)
+    width = max(DEMO_PROMPTS)
+    ids = torch.zeros((len(DEMO_PROMPTS), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(DEMO_PROMPTS):  # left padding
+        ids[row, width - n:] = torch.randint(1, DEMO_MODEL["vocab_size"], (n,), generator=g)
+        mask[row, width - n:] = 1
+    blocks = len(DEMO_PROMPTS) * (-(-(width + new_tokens) // 16))
+    cache = paged_cache(ours, num_blocks=blocks, block_size=16)
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              do_sample=False)
+    with torch.no_grad():
+        for m, c in ((ref, None), (ours, cache)):  # warm-up: first calls pay one-off costs
+            m.generate(ids, past_key_values=c, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        cache.reset()
+        t0 = time.perf_counter()
+        want = ref.generate(ids, past_key_values=DynamicCache(config=ref.config), **kw)
+        t1 = time.perf_counter()
+        got = ours.generate(ids, past_key_values=cache, **kw)
+        t2 = time.perf_counter()
+    same = bool(torch.equal(want, got))
+    n = len(DEMO_PROMPTS) * new_tokens
+    print(f"  {len(DEMO_PROMPTS)} prompts of {', '.join(map(str, DEMO_PROMPTS))} tokens "
+          f"(left-padded batch), {new_tokens} new tokens each, greedy:")
+    print(f"    pagedkv        {n / (t2 - t1):8.1f} tokens/s")
+    print(f"    DynamicCache   {n / (t1 - t0):8.1f} tokens/s   (sdpa attention)")
+    print(f"    identical tokens: {'yes' if same else 'NO'}")
+    for row in range(2):
+        print(f"    prompt {row}: ... {got[row, width - 4:width].tolist()} -> "
+              f"{got[row, width:width + 8].tolist()} ...")
+    print("  cache after generate (padding is never stored):")
+    print("    " + str(pagedkv.format_stats(cache.paged.stats())).replace("\n", "\n    "))
+
+    S, R = 4, 252
+    stream = paged_cache(ours, num_blocks=64, block_size=16,
+                         streaming=pagedkv.StreamingLLM(sink_tokens=S, window_tokens=R))
+    bar = Progress(20, enabled=progress)
+    bar.start("StreamingLLM")
+    used: List[int] = []
+
+    class Watch(BaseStreamer):
+        """Called by generate() after every step: records the blocks in use."""
+
+        def put(self, value):
+            used.append(stream.paged.num_blocks - stream.paged.num_free_blocks)
+            if len(used) % max(stream_tokens // 20, 1) == 0:
+                bar.step(f"StreamingLLM {len(used)}/{stream_tokens + 1} steps, "
+                         f"{used[-1]} blocks held")
+
+        def end(self):
+            pass
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = ours.generate(ids[:1, width - DEMO_PROMPTS[0]:], past_key_values=stream,
+                            max_new_tokens=stream_tokens, min_new_tokens=stream_tokens,
+                            do_sample=True, top_k=0, streamer=Watch())
+        dt = time.perf_counter() - t0
+    bar.close()
+    st = stream.paged.stats()
+    sid = stream.sequence_ids[0]
+    kept = stream.paged.kept_positions(sid)
+    bound = -(-S // 16) + -(-(R + 1) // 16) + 1
+    full = used[max(S + R + 1 - DEMO_PROMPTS[0], 0):] or used
+    print(f"  StreamingLLM (sinks {S}, window {R}, RoPE by rank in the cache): "
+          f"{out.shape[1]} tokens, {stream_tokens / dt:.1f} tokens/s sampled")
+    print(f"    blocks held once the window is full: {min(full)}..{max(full)} over "
+          f"{len(full)} steps (bound {bound}); peak {st.peak_blocks_used} of "
+          f"{st.blocks_total} ({st.bytes_per_block * st.peak_blocks_used / 2**20:.2f} MiB)")
+    print(f"    tokens held {stream.paged.seq_len(sid)}: positions {kept[:S].tolist()} + "
+          f"{kept[S]}..{kept[-1]}; evicted {st.evicted_tokens} tokens, "
+          f"{st.evicted_blocks} blocks returned to the pool")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

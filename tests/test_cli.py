@@ -137,7 +137,43 @@ def test_bench_rejects_bad_arguments(capsys):
         main(["bench", "--dtypes", "f16"])
 
 
+HAVE_HF = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="the hf extra (transformers, torch) is not installed")
 def test_demo_runs(capsys):
-    assert main(["demo", "--steps", "4", "--batch", "2", "--prompt", "20"]) == 0
+    assert main(["demo", "--new-tokens", "4", "--stream-tokens", "300", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "decoded 4 steps" in out and "fragmentation" in out
+    assert "identical tokens: yes" in out and "internal fragmentation" in out
+    line = next(x for x in out.splitlines() if "blocks held once the window is full" in x)
+    lo_hi, bound = line.split(": ")[1].split(" ")[0], line.split("(bound ")[1].split(")")[0]
+    assert int(lo_hi.split("..")[1]) <= int(bound)
+    assert "positions [0, 1, 2, 3] + " in out
+
+
+def test_demo_without_the_hf_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    assert main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "pagedkv demo needs transformers and torch: pip install 'pagedkv[hf]'"
+
+
+def test_bench_hf_suite(tmp_path, capsys):
+    data = _bench(tmp_path, "--suites", "hf", "--threads", "1")
+    recs = [r for r in data["records"] if r["suite"] == "hf"]
+    if not HAVE_HF:
+        assert recs == [{"suite": "hf", "available": False}]
+        assert "hf suite skipped" in capsys.readouterr().out
+        return
+    assert [r["context"] for r in recs] == [48, 96]
+    for r in recs:
+        assert r["tokens_match"] is True
+        assert _positive_finite(r["ratio"])
+        assert all(_positive_finite(x) for x in r["tokens_per_s"].values())
+    assert "DynamicCache+sdpa tok/s" in capsys.readouterr().out
+
+
+def test_hf_suite_is_opt_in():
+    from pagedkv.benchmarks.runner import parse_suites
+
+    assert "hf" not in parse_suites("all") and parse_suites("decode,hf") == ["decode", "hf"]

@@ -1,0 +1,4 @@
+"""Integrations with model libraries (optional extras; ``import pagedkv`` needs none of them).
+
+- ``pagedkv.integrations.hf``: Hugging Face transformers (extra ``hf``).
+"""

@@ -1,0 +1,386 @@
+"""Hugging Face transformers drop-in (pagedkv.integrations.hf) against transformers' own cache.
+
+Every test runs a tiny random Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16) twice:
+once with pagedkv (cache + attention) and once, on an identical copy of the weights, with the
+default DynamicCache and sdpa.  Tokens must be identical; logits within rel 1e-5 (f32).
+The StreamingLLM test compares with a NumPy re-run of the same model with the paper's cache.
+"""
+import importlib.util
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+    pytest.skip("the hf extra (transformers, torch) is not installed: pip install '.[hf]'",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import pagedkv  # noqa: E402
+from pagedkv.integrations.hf import PagedCache, paged_cache  # noqa: E402
+
+VOCAB = 96
+LOGIT_RTOL = 1e-5
+
+
+def _config(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(pagedkv model, reference model): the same random weights, two modules."""
+    torch.manual_seed(1234)
+    ours = LlamaForCausalLM(_config()).eval()
+    ref = LlamaForCausalLM(_config()).eval()   # its own config: it keeps sdpa
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _gen(model, ids, **kw):
+    kw.setdefault("do_sample", False)
+    return model.generate(ids, output_logits=True, return_dict_in_generate=True, **kw)
+
+
+def _same(ref, out, mask=None):
+    assert torch.equal(ref.sequences, out.sequences), (ref.sequences, out.sequences)
+    assert len(ref.logits) == len(out.logits)
+    for a, b in zip(ref.logits, out.logits):
+        scale = a.abs().max().item()
+        assert (a - b).abs().max().item() <= LOGIT_RTOL * scale
+
+
+def _prompt(seed, batch, length):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=g)
+
+
+def test_greedy_32_tokens_match_dynamic_cache(models):
+    ours, ref = models
+    ids = _prompt(1, 1, 20)
+    cache = paged_cache(ours, num_blocks=32, block_size=16)
+    assert isinstance(cache, PagedCache) and isinstance(cache.paged, pagedkv.PagedKVCache)
+    assert ours.config._attn_implementation == "pagedkv"
+    out = _gen(ours, ids, max_new_tokens=32, past_key_values=cache)
+    _same(_gen(ref, ids, max_new_tokens=32), out)
+    # 20 + 32 tokens, the newest one never appended (generate stops after sampling it)
+    assert cache.get_seq_length() == 51
+    assert cache.paged.seq_len(cache.sequence_ids[0]) == 51
+    assert cache.paged.stats().blocks_used == 4
+
+
+def test_left_padded_batch_of_three(models):
+    ours, ref = models
+    ids = _prompt(2, 3, 14)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    ids[mask == 0] = 0
+    cache = paged_cache(ours, num_blocks=32, block_size=8)
+    out = _gen(ours, ids, attention_mask=mask, max_new_tokens=24, past_key_values=cache)
+    _same(_gen(ref, ids, attention_mask=mask, max_new_tokens=24), out)
+    # padding is never stored: each row holds its real tokens only
+    lens = [cache.paged.seq_len(s) for s in cache.sequence_ids]
+    assert lens == [14 + 23, 9 + 23, 3 + 23]
+
+
+def test_prompt_prefilled_in_two_chunks_then_second_turn(models):
+    ours, ref = models
+    ids = _prompt(3, 1, 37)
+    dyn = DynamicCache(config=ref.config)
+    cache = paged_cache(ours, num_blocks=32, block_size=16)
+    with torch.no_grad():
+        a = ref(ids[:, :23], past_key_values=dyn).logits
+        b = ours(ids[:, :23], past_key_values=cache).logits
+    assert (a - b).abs().max() <= LOGIT_RTOL * a.abs().max()
+    first_ref = _gen(ref, ids, max_new_tokens=16, past_key_values=dyn)
+    first = _gen(ours, ids, max_new_tokens=16, past_key_values=cache)
+    _same(first_ref, first)
+    # the same caches, a second turn: the history plus a new user message
+    turn2 = torch.cat([first_ref.sequences, _prompt(4, 1, 9)], dim=1)
+    _same(_gen(ref, turn2, max_new_tokens=16, past_key_values=dyn),
+          _gen(ours, turn2, max_new_tokens=16, past_key_values=cache))
+    assert cache.get_seq_length() == dyn.get_seq_length()
+
+
+def test_beam_search_three_beams(models):
+    ours, ref = models
+    ids = _prompt(5, 1, 18)
+    cache = paged_cache(ours, num_blocks=32, block_size=4)
+    kw = dict(num_beams=3, max_new_tokens=20, early_stopping=False)
+    _same(_gen(ref, ids, **kw), _gen(ours, ids, past_key_values=cache, **kw))
+    st = cache.paged.stats()
+    assert st.sequences_active == 3 and st.forks > 0
+    # beams share their common prefix through copy-on-write forks
+    assert st.blocks_used < 3 * -(-(18 + 19) // 4)
+
+
+def test_num_return_sequences_with_sampling(models):
+    ours, ref = models
+    ids = _prompt(6, 2, 10)
+    kw = dict(do_sample=True, num_return_sequences=2, max_new_tokens=20, top_k=0)
+    torch.manual_seed(77)
+    want = _gen(ref, ids, **kw)
+    cache = paged_cache(ours, num_blocks=64, block_size=8)
+    torch.manual_seed(77)
+    got = _gen(ours, ids, past_key_values=cache, **kw)
+    _same(want, got)
+    assert cache.paged.stats().sequences_active == 4
+
+
+def test_assisted_decoding_crops(models, monkeypatch):
+    ours, ref = models
+    torch.manual_seed(4321)
+    assistant = LlamaForCausalLM(_config(num_hidden_layers=1)).eval()
+    crops = []
+    real_crop = PagedCache.crop
+    monkeypatch.setattr(PagedCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n)))
+    ids = _prompt(15, 1, 15)
+    cache = paged_cache(ours, num_blocks=16)
+    got = ours.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
+                        past_key_values=cache)
+    assert torch.equal(ref.generate(ids, max_new_tokens=24, do_sample=False), got)
+    assert any(n < 0 for n in crops)                # rejected drafts were rolled back
+    assert cache.paged.seq_len(cache.sequence_ids[0]) == cache.get_seq_length() == 38
+
+
+def test_row_operations_fork_truncate_free(models):
+    ours, _ = models
+    ids = _prompt(7, 2, 12)
+    cache = paged_cache(ours, num_blocks=32, block_size=4)
+    with torch.no_grad():
+        ours(ids, past_key_values=cache)
+    p = cache.paged
+    a, b = cache.sequence_ids
+    ka = p.gather(a, layer=1)[0].copy()
+    kb = p.gather(b, layer=1)[0].copy()
+    cache.reorder_cache(torch.tensor([1, 1, 0]))
+    s = cache.sequence_ids
+    assert len(s) == 3 and s[0] == b and s[2] == a and s[1] not in (a, b)
+    for sid, want in zip(s, (kb, kb, ka)):
+        np.testing.assert_array_equal(p.gather(sid, layer=1)[0], want)
+    assert p.stats().blocks_used == 2 * 3            # forks share, nothing copied
+    cache.batch_select_indices(torch.tensor([2]))
+    assert cache.sequence_ids == [a] and p.stats().sequences_active == 1
+    cache.crop(-5)
+    assert cache.get_seq_length() == 7 and p.seq_len(a) == 7
+    np.testing.assert_array_equal(p.gather(a, layer=1)[0], ka[:7])
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+    with pytest.raises(IndexError, match="out of range"):
+        cache.reorder_cache(torch.tensor([0, 4]))
+    assert cache.sequence_ids == [a]
+    cache.reset()
+    assert cache.get_seq_length() == 0 and p.stats().sequences_active == 0
+
+
+def test_crop_into_padding(models):
+    ours, _ = models
+    ids = _prompt(14, 2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = paged_cache(ours, num_blocks=16, block_size=4)
+    with torch.no_grad():
+        ours(ids, attention_mask=mask, past_key_values=cache)
+    p = cache.paged
+    assert [p.seq_len(s) for s in cache.sequence_ids] == [12, 7]
+    cache.crop(-6)                                   # stream positions 0..5 stay
+    assert [p.seq_len(s) for s in cache.sequence_ids] == [6, 1]
+    cache.crop(-3)                                   # 0..2: row 1 holds only padding there
+    assert [p.seq_len(s) for s in cache.sequence_ids] == [3, 0]
+    assert cache.get_seq_length() == 3
+
+
+def test_model_keeps_working_with_other_caches(models):
+    """A model switched to the "pagedkv" attention runs sdpa for any cache but a PagedCache."""
+    ours, ref = models
+    paged_cache(ours, num_blocks=8)
+    ids = _prompt(8, 1, 12)
+    _same(_gen(ref, ids, max_new_tokens=8), _gen(ours, ids, max_new_tokens=8))
+
+
+def test_errors(models):
+    ours, _ = models
+    with pytest.raises(TypeError, match="StreamingLLM"):
+        paged_cache(ours, num_blocks=8, streaming=(4, 60))
+    cache = paged_cache(ours, num_blocks=8)
+    with torch.no_grad():
+        ours(_prompt(9, 2, 5), past_key_values=cache)
+        with pytest.raises(ValueError, match="batch size 3"):
+            ours(_prompt(9, 3, 1), past_key_values=cache)
+    small = paged_cache(ours, num_blocks=2, block_size=4)
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        with torch.no_grad():
+            ours(_prompt(10, 1, 200), past_key_values=small)
+    assert small.get_seq_length() == 0 and small.paged.num_free_blocks == 2
+    with torch.no_grad():  # still usable
+        ours(_prompt(10, 1, 8), past_key_values=small)
+    assert small.get_seq_length() == 8 and small.paged.num_free_blocks == 0
+    rows = paged_cache(ours, num_blocks=3, block_size=4)   # the second row does not fit
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        with torch.no_grad():
+            ours(_prompt(10, 2, 8), past_key_values=rows)
+    assert [rows.paged.seq_len(s) for s in rows.sequence_ids] == [0, 0]
+    assert rows.get_seq_length() == 0 and rows.paged.num_free_blocks == 3
+    if "kv_dtype" not in inspect.signature(pagedkv.PagedKVCache.__init__).parameters:
+        with pytest.raises(TypeError, match="kv_dtype"):
+            paged_cache(ours, num_blocks=8, kv_dtype="bfloat16")
+    half = LlamaForCausalLM(_config()).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        paged_cache(half, num_blocks=8)
+
+
+def test_wrong_attention_is_caught(models):
+    ours, _ = models
+    cache = paged_cache(ours, num_blocks=8)
+    ours.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            ours(_prompt(11, 1, 4), past_key_values=cache)
+            with pytest.raises(RuntimeError, match="'pagedkv'"):
+                ours(_prompt(11, 1, 1), past_key_values=cache)
+    finally:
+        ours.set_attn_implementation("pagedkv")
+
+
+@pytest.mark.skipif("kv_dtype" not in inspect.signature(pagedkv.PagedKVCache.__init__).parameters,
+                    reason="this PagedKVCache has no kv_dtype (storage formats) yet")
+def test_bfloat16_storage(models):
+    ours, ref = models
+    ids = _prompt(12, 1, 20)
+    cache = paged_cache(ours, num_blocks=32, kv_dtype="bfloat16")
+    assert cache.paged.kv_dtype == "bfloat16"
+    out = _gen(ours, ids, max_new_tokens=32, past_key_values=cache)
+    want = _gen(ref, ids, max_new_tokens=32)
+    assert out.sequences.shape == want.sequences.shape
+    agree = (out.sequences[0, 20:] == want.sequences[0, 20:]).float().mean().item()
+    assert agree >= 0.9, agree
+
+
+def test_readme_hf_example(capsys):
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.exists():
+        pytest.skip("README.md is not next to the tests (installed copy)")
+    (code,) = re.findall(r"```python hf\n(.*?)```", readme.read_text(), re.S)
+    ns = {}
+    exec(compile(code, str(readme), "exec"), ns)
+    assert ns["out"].shape == (1, 320)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "8" and lines[-1] == "[0, 1, 2, 3, 66, 67]"
+
+
+# ---------------------------------------------------------------------------
+# StreamingLLM against a NumPy re-run of the model with the paper's cache
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rotate(x, pos, theta):
+    """rotate-half RoPE of x [..., n, D] at positions pos [n] (float64)."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(d // 2, dtype=np.float64) * 2.0 / d)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class _ReferenceStreamingLlama:
+    """The model loop of the StreamingLLM paper, one token per step, in float64 NumPy:
+    keys cached before RoPE; before each append a cache longer than S + R is cut to its first
+    S and last R tokens; keys rotated by their rank in the cache, the query by its own."""
+
+    def __init__(self, model, sink, window):
+        cfg = model.config
+        w = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+        self.w, self.cfg = w, cfg
+        self.S, self.R = sink, window
+        self.theta = cfg.rope_parameters["rope_theta"]
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = cfg.hidden_size // self.hq
+        self.k = [np.zeros((self.hkv, 0, self.d)) for _ in range(cfg.num_hidden_layers)]
+        self.v = [np.zeros((self.hkv, 0, self.d)) for _ in range(cfg.num_hidden_layers)]
+
+    def step(self, token):
+        w, eps, d = self.w, self.cfg.rms_norm_eps, self.d
+        x = w["model.embed_tokens.weight"][token]
+        for i in range(self.cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = _rms(x, w[p + "input_layernorm.weight"], eps)
+            q = (w[p + "self_attn.q_proj.weight"] @ h).reshape(self.hq, 1, d)
+            k = (w[p + "self_attn.k_proj.weight"] @ h).reshape(self.hkv, 1, d)
+            v = (w[p + "self_attn.v_proj.weight"] @ h).reshape(self.hkv, 1, d)
+            K, V = self.k[i], self.v[i]
+            if K.shape[1] > self.S + self.R:
+                K = np.concatenate([K[:, : self.S], K[:, -self.R:]], axis=1)
+                V = np.concatenate([V[:, : self.S], V[:, -self.R:]], axis=1)
+            K = np.concatenate([K, k], axis=1)
+            V = np.concatenate([V, v], axis=1)
+            self.k[i], self.v[i] = K, V
+            n = K.shape[1]
+            kr = _rotate(K, np.arange(n, dtype=np.float64), self.theta)
+            qr = _rotate(q, np.array([n - 1.0]), self.theta)
+            g = self.hq // self.hkv
+            kr, vr = np.repeat(kr, g, axis=0), np.repeat(V, g, axis=0)
+            s = qr @ kr.transpose(0, 2, 1) / np.sqrt(d)          # [Hq, 1, n]
+            s = np.exp(s - s.max(axis=-1, keepdims=True))
+            o = (s / s.sum(axis=-1, keepdims=True)) @ vr           # [Hq, 1, d]
+            x = x + w[p + "self_attn.o_proj.weight"] @ o.reshape(-1)
+            h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+            gate = w[p + "mlp.gate_proj.weight"] @ h
+            up = w[p + "mlp.up_proj.weight"] @ h
+            x = x + w[p + "mlp.down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up)
+        x = _rms(x, w["model.norm.weight"], eps)
+        return w["lm_head.weight"] @ x
+
+
+def test_streaming_llm_2000_tokens_matches_paper_semantics():
+    torch.manual_seed(99)
+    model = LlamaForCausalLM(_config()).eval()
+    S, R, bs, prompt, new = 4, 60, 16, 8, 2000
+    cache = paged_cache(model, num_blocks=16, block_size=bs,
+                        streaming=pagedkv.StreamingLLM(sink_tokens=S, window_tokens=R))
+    ids = _prompt(13, 1, prompt)
+    # sampling keeps the stream from settling into a short loop of tokens
+    torch.manual_seed(3)
+    out = _gen(model, ids, max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0,
+               past_key_values=cache)
+    seq = out.sequences[0].numpy()
+    assert len(seq) == prompt + new
+    st = cache.paged.stats()
+    bound = -(-S // bs) + -(-(R + 1) // bs) + 1
+    assert st.peak_blocks_used <= bound and st.blocks_used <= bound
+    assert cache.paged.seq_len(cache.sequence_ids[0]) == S + R + 1
+    kept = cache.paged.kept_positions(cache.sequence_ids[0])
+    np.testing.assert_array_equal(kept, np.r_[0:S, prompt + new - 1 - R - 1:prompt + new - 1])
+    # the prompt is one chunk of 8 < S + R tokens: per token it is the same computation
+    ref = _ReferenceStreamingLlama(model, S, R)
+    checked = 0
+    sampled = set(range(0, new, 97)) | {new - 1, 60, 61, 62}
+    for i in range(prompt + new - 1):
+        logits = ref.step(seq[i])
+        t = i - (prompt - 1)
+        if t >= 0 and t in sampled:
+            got = out.logits[t][0].double().numpy()
+            scale = np.abs(logits).max()
+            assert np.abs(got - logits).max() <= 1e-4 * scale, t
+            checked += 1
+    assert checked == len(sampled)
+    # the rotary hook is off for other caches: the same model still matches sdpa + DynamicCache
+    twin = LlamaForCausalLM(_config()).eval()
+    twin.load_state_dict(model.state_dict())
+    _same(_gen(twin, ids, max_new_tokens=8), _gen(model, ids, max_new_tokens=8))
