@@ -271,9 +271,10 @@ class PagedKVCache:
     def sequence_info(self, sid: int) -> SequenceInfo:
         """What the eviction strategies see of a live sequence: last use,
         use count, tokens, blocks, priority, creation order."""
-        self._core.seq_len(sid)  # KeyError / TypeError for a bad id
-        sid = int(sid)
-        return next(i for i in self._evictor.infos() if i.sid == sid)
+        with self._core.hold():
+            self._core.seq_len(sid)  # KeyError / TypeError for a bad id
+            sid = int(sid)
+            return next(i for i in self._evictor.infos() if i.sid == sid)
 
     def set_priority(self, sid: int, priority: float) -> None:
         """Change the priority of a live sequence (lower is evicted first)."""
@@ -376,9 +377,14 @@ class PagedKVCache:
 
     def stats(self) -> CacheStats:
         """A CacheStats snapshot (counts, bytes, fragmentation, activity)."""
-        return collect(self._core, self._evictor)
+        with self._core.hold():  # one consistent snapshot
+            return collect(self._core, self._evictor)
 
     def __repr__(self) -> str:
+        with self._core.hold():
+            return self._summary()
+
+    def _summary(self) -> str:
         core = self._core
         extra = ""
         if self.streaming is not None:

@@ -197,6 +197,10 @@ class SequenceEvictor:
     # evicting
     def evict(self, sid: Optional[int] = None) -> Optional[int]:
         """See PagedKVCache.evict."""
+        with self._core.hold():  # choose and evict as one step for other threads
+            return self._evict_one(sid)
+
+    def _evict_one(self, sid: Optional[int]) -> Optional[int]:
         if sid is None:
             sid = self.select()
             if sid is None:
@@ -213,11 +217,12 @@ class SequenceEvictor:
         core = self._core
         ex = id_set(exclude)
         evicted = []
-        while core.num_blocks - core.num_free_blocks > target * core.num_blocks:
-            sid = self.select(ex)
-            if sid is None:
-                break
-            evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.strategy)))
+        with core.hold():
+            while core.num_blocks - core.num_free_blocks > target * core.num_blocks:
+                sid = self.select(ex)
+                if sid is None:
+                    break
+                evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.strategy)))
         return evicted
 
     def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
@@ -241,23 +246,26 @@ class SequenceEvictor:
         """PagedKVCache.append that, when the pool is short, first evicts other
         sequences by the strategy.  Returns the evicted ids."""
         core = self._core
-        try:
-            core.append(sid, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
+        with core.hold():  # the append, the evictions and the retry as one step
+            try:
+                core.append(sid, k, v, layer)
+                return ()
+            except OutOfBlocksError as e:
+                err = e
+            return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
 
     def append_batch(self, sids, k, v, layer=0) -> Tuple[int, ...]:
         """PagedKVCache.append_batch that, when the pool is short, first evicts
         sequences outside `sids` by the strategy.  Returns the evicted ids."""
         core = self._core
-        try:
-            core.append_batch(sids, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, id_set(sids), lambda: core.append_batch(sids, k, v, layer))
+        with core.hold():
+            try:
+                core.append_batch(sids, k, v, layer)
+                return ()
+            except OutOfBlocksError as e:
+                err = e
+            return self._make_room(err, id_set(sids),
+                                   lambda: core.append_batch(sids, k, v, layer))
 
     def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
         """Evict by the strategy (never `exclude`) until `retry()` stops
