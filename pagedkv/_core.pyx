@@ -45,18 +45,23 @@ class OutOfBlocksError(MemoryError):
         needed: free blocks the call needed.
         available: free blocks there were (counting blocks the call itself
             would have released by eviction).
+        whole_pool: True when a sequence would hold more blocks than the
+            whole pool has, so freeing other sequences cannot help.
     """
 
-    def __init__(self, needed, available):
+    def __init__(self, needed, available, whole_pool=False):
         self.needed = int(needed)
         self.available = int(available)
+        self.whole_pool = bool(whole_pool)
         super().__init__(
             f"out of KV blocks: the call needs {self.needed} free block(s), "
             f"{self.available} available"
+            + ("; the sequence would hold more blocks than the whole pool has"
+               if self.whole_pool else "")
         )
 
     def __reduce__(self):
-        return (type(self), (self.needed, self.available))
+        return (type(self), (self.needed, self.available, self.whole_pool))
 
 
 # ----------------------------------------------------------------------------
@@ -401,12 +406,13 @@ cdef class CacheCore:
 
     cdef inline int _check_layer(self, object layer) except -1:
         cdef long long l
-        if type(layer) is int:
-            l = PyLong_AsLongLong(layer)
-        elif isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_)):
-            l = int(layer)
-        else:
+        if type(layer) is not int and (not isinstance(layer, (int, np.integer))
+                                       or isinstance(layer, (bool, np.bool_))):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        try:
+            l = PyLong_AsLongLong(layer) if type(layer) is int else int(layer)
+        except OverflowError:
+            l = -1
         if l < 0 or l >= self.num_layers:
             raise ValueError(f"layer {layer} out of range: the cache has {self.num_layers} layer(s)")
         return <int>l
@@ -626,7 +632,7 @@ cdef class CacheCore:
             arr = <cnp.ndarray>a
         if arr.dtype.kind != "f":
             raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {arr.dtype}")
-        want = f"[{d0name}, {d1}, {d2}]"
+        want = f"[{d0name}, {d1}, {d2}]" if d0 < 0 else f"[{d0name}={d0}, {d1}, {d2}]"
         if arr.ndim != 3:
             raise ValueError(f"{name} must have shape {want}, got {np.ndim(arr)}-d shape {np.shape(arr)}")
         dims = cnp.PyArray_DIMS(arr)
@@ -839,7 +845,13 @@ cdef class CacheCore:
     cdef double _scale(self, object scale) except? -1:
         if scale is None:
             return 1.0 / sqrt(<double>self.head_dim)
-        s = float(scale)
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(
+                scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be None or a number, got {type(scale).__name__}")
+        try:
+            s = float(scale)
+        except OverflowError:  # an int beyond the float range
+            s = float("inf")
         if not np.isfinite(s):
             raise ValueError(f"scale must be finite, got {scale}")
         return s

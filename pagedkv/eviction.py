@@ -270,7 +270,7 @@ class SequenceEvictor:
     def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
         """Evict by the strategy (never `exclude`) until `retry()` stops
         raising OutOfBlocksError; return the evicted ids."""
-        if self._releasable_blocks(exclude) < err.needed - err.available:
+        if err.whole_pool or self._releasable_blocks(exclude) < err.needed - err.available:
             raise err
         evicted = []
         while True:
@@ -305,15 +305,22 @@ def id_set(ids) -> set:
 def check_priority(p) -> float:
     if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
         raise TypeError(f"priority must be a number, got {type(p).__name__}")
-    if not math.isfinite(p):
-        raise ValueError(f"priority must be finite, got {p}")
-    return float(p)
+    try:
+        value = float(p)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"priority must be a finite number, got {p}")
+    return value
 
 
 def check_utilization(name, u) -> float:
     if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number in [0, 1], got {type(u).__name__}")
-    u = float(u)
-    if not 0.0 <= u <= 1.0:
+    try:
+        value = float(u)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {u}")
-    return u
+    return value

@@ -4,6 +4,7 @@
 #
 #   tools/sanitize.sh                 # the whole suite
 #   tools/sanitize.sh tests/test_x.py # or what pytest is given
+#   tools/sanitize.sh --run CMD ARGS  # or any command, in the same environment (tools/fuzz.sh)
 #
 # Environment: PAGEDKV_SANITIZE_VENV (default /tmp/pagedkv-sanitize-venv), REUSE=1 to keep an
 # existing venv and build.  Linux + GCC or Clang.  Python itself is not instrumented, so the ASan
@@ -33,7 +34,9 @@ if [[ "$(ldd "$SO")" != *libasan* ]]; then
     echo "sanitize.sh: $SO is not an ASan build" >&2; exit 2
 fi
 export LD_PRELOAD="$ASAN_LIB"
-export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:check_initialization_order=1:strict_string_checks=1:detect_stack_use_after_return=1"
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:allocator_may_return_null=1:check_initialization_order=1:strict_string_checks=1:detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+export PATH="$VENV/bin:$PATH"
+if [[ "${1:-}" == --run ]]; then shift; exec "$@"; fi
 if [[ $# -eq 0 ]]; then set -- "$ROOT/tests"; fi
 exec "$VENV/bin/pytest" -q -p no:cacheprovider "$@"
