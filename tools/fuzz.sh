@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing (atheris) of the sanitizer build: tests/fuzz/fuzz_cache.py.
+# Fuzzing of PagedKVCache (tests/fuzz/): coverage-guided search, then replay under the sanitizers.
 #
-#   tools/fuzz.sh -runs=1000000 [-max_total_time=SECONDS] [CORPUS_DIR]
+#   tools/fuzz.sh [CORPUS_DIR] [-runs=N] [-max_total_time=S] ...   # atheris, coverage-guided
+#   tools/fuzz.sh --replay CORPUS_DIR...                            # every input, ASan + UBSan
 #
-# Builds the ASan + UBSan venv first unless REUSE=1 finds one (see tools/sanitize.sh) and
-# installs atheris into it.  Crashing inputs are written to $PAGEDKV_FUZZ_ARTIFACTS (default
-# /tmp/pagedkv-fuzz-artifacts/); copy them to tests/fuzz/regressions/ once fixed.
+# Why two steps: atheris's coverage feedback and GCC's AddressSanitizer runtime cannot share a
+# process (atheris ships its ASan runtime for Clang builds; with GCC's preloaded the coverage
+# counters never register and the fuzzer degrades to random inputs).  So the search runs over
+# the ordinary in-place build (python setup.py build_ext --inplace; PYTHON picks the interpreter,
+# with atheris installed) and every input it keeps, plus each crash, is replayed against the
+# sanitizer build (tools/sanitize.sh's venv, built when missing).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-VENV="${PAGEDKV_SANITIZE_VENV:-/tmp/pagedkv-sanitize-venv}"
-if [[ "${REUSE:-0}" != 1 || ! -x "$VENV/bin/pytest" ]]; then
-    "$ROOT/tools/sanitize.sh" --run true
+if [[ "${1:-}" == --replay ]]; then
+    shift
+    VENV="${PAGEDKV_SANITIZE_VENV:-/tmp/pagedkv-sanitize-venv}"
+    if [[ ! -x "$VENV/bin/pytest" ]]; then "$ROOT/tools/sanitize.sh" --run true; fi
+    REUSE=1 exec "$ROOT/tools/sanitize.sh" --run "$VENV/bin/python" "$ROOT/tests/fuzz/replay.py" "$@"
 fi
-"$VENV/bin/python" -c "import atheris" 2>/dev/null || "$VENV/bin/python" -m pip install --quiet atheris
 ART="${PAGEDKV_FUZZ_ARTIFACTS:-/tmp/pagedkv-fuzz-artifacts}"
 mkdir -p "$ART"
-REUSE=1 exec "$ROOT/tools/sanitize.sh" --run "$VENV/bin/python" "$ROOT/tests/fuzz/fuzz_cache.py" \
-    -artifact_prefix="$ART/" -print_final_stats=1 "$@"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" \
+    "$ROOT/tests/fuzz/fuzz_cache.py" -artifact_prefix="$ART/" -print_final_stats=1 "$@"

@@ -1,12 +1,13 @@
 """Coverage-guided fuzzing of PagedKVCache with atheris (see tests/fuzz/program.py).
 
     pip install atheris
-    tools/fuzz.sh [-runs=N] [-max_total_time=S] [corpus_dir]   # against the sanitizer build
+    tools/fuzz.sh CORPUS_DIR -runs=1000000        # the search (in-place build)
+    tools/fuzz.sh --replay CORPUS_DIR             # what it kept, under ASan + UBSan
 
 Coverage comes from the Python layer (pagedkv/*.py and the program decoder, instrumented by
-atheris); the compiled core runs under ASan + UBSan when started by tools/fuzz.sh.  A failure is
-an exception outside the documented ones, a raised call that changed the cache, broken block
-accounting, or a sanitizer report; save the crashing input under tests/fuzz/regressions/.
+atheris).  A failure is an exception outside the documented ones, a raised call that changed the
+cache, broken block accounting, or (on replay) a sanitizer report; save the crashing input under
+tests/fuzz/regressions/ (tests/test_fuzz_programs.py runs them all).
 """
 import os
 import sys
