@@ -8,6 +8,9 @@ Environment:
   PAGEDKV_DEBUG=1    -O0 -g and Cython bounds checks back on (release builds carry no
                      debug information and, on Linux, link stripped: a lean wheel)
   PAGEDKV_OPENMP=0   build without OpenMP
+  PAGEDKV_SANITIZE=address,undefined
+                     build with AddressSanitizer and/or UndefinedBehaviorSanitizer
+                     (-O1 -g; see tools/sanitize.sh for running the tests under it)
 """
 import os
 import shutil
@@ -21,6 +24,21 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") not in ("", "0")
+
+
+def _sanitizers():
+    """The -fsanitize= flags asked for by PAGEDKV_SANITIZE (none when unset)."""
+    names = [n.strip() for n in os.environ.get("PAGEDKV_SANITIZE", "").split(",") if n.strip()]
+    unknown = sorted(set(names) - {"address", "undefined"})
+    if unknown:
+        raise SystemExit(f"PAGEDKV_SANITIZE: expected 'address' and/or 'undefined', got {unknown}")
+    if not names:
+        return []
+    return ["-fsanitize=" + ",".join(names), "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-O1", "-g"]
+
+
+SANITIZE = _sanitizers()
 
 
 def _compiler_accepts(compiler, flags):
@@ -54,8 +72,11 @@ class BuildExt(build_ext):
                 opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g0"]
                 ext.extra_compile_args = opt + ["-std=c11", "-fno-strict-aliasing",
                                                 "-Wno-unused-function"] + openmp
-                strip = ["-s"] if not DEBUG and sys.platform.startswith("linux") else []
+                strip = ["-s"] if not (DEBUG or SANITIZE) and sys.platform.startswith("linux") else []
                 ext.extra_link_args = list(openmp) + strip
+                if SANITIZE:  # after the optimization flags, so its -O1 wins
+                    ext.extra_compile_args += SANITIZE
+                    ext.extra_link_args += SANITIZE[:1]
             else:
                 ext.extra_compile_args = ["/O2"] + openmp
         super().build_extensions()

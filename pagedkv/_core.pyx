@@ -21,6 +21,10 @@ from libc.math cimport sqrt
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
+from cpython.pythread cimport (WAIT_LOCK, PyThread_acquire_lock,
+                               PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_get_thread_ident, PyThread_release_lock,
+                               PyThread_type_lock)
 
 # the declarations of _core.pxd (the C headers) are included automatically
 
@@ -41,18 +45,23 @@ class OutOfBlocksError(MemoryError):
         needed: free blocks the call needed.
         available: free blocks there were (counting blocks the call itself
             would have released by eviction).
+        whole_pool: True when a sequence would hold more blocks than the
+            whole pool has, so freeing other sequences cannot help.
     """
 
-    def __init__(self, needed, available):
+    def __init__(self, needed, available, whole_pool=False):
         self.needed = int(needed)
         self.available = int(available)
+        self.whole_pool = bool(whole_pool)
         super().__init__(
             f"out of KV blocks: the call needs {self.needed} free block(s), "
             f"{self.available} available"
+            + ("; the sequence would hold more blocks than the whole pool has"
+               if self.whole_pool else "")
         )
 
     def __reduce__(self):
-        return (type(self), (self.needed, self.available))
+        return (type(self), (self.needed, self.available, self.whole_pool))
 
 
 # ----------------------------------------------------------------------------
@@ -217,11 +226,10 @@ cdef class CacheCore:
         const int32_t **b_tables
         pkv_segs *b_segs
         Seq **b_seqs
-        int64_t *b_ids
         int64_t *b_mark
         int64_t mark
         _Plan *b_plans
-        void *_raw[6]
+        void *_raw[5]
         void *scratch
         void *scratch_raw
         size_t scratch_stride
@@ -229,7 +237,13 @@ cdef class CacheCore:
         void *partial             # split-K partial states, 2 slots per thread
         void *partial_raw
         readonly int64_t seqs_freed
-        bint busy                 # an attend/gather call is under way (it releases the GIL)
+        # the cache's lock (see "Thread model" below); every field but the
+        # semaphore is read and written with the GIL held
+        unsigned long owner       # thread holding the cache, 0 when none
+        int depth                 # holds by the owner (hold() nests, calls nest in hold())
+        int waiters               # threads waiting for the cache
+        PyThread_type_lock wake   # posted when the owner lets go and someone waits
+        bint in_call              # a public call is under way on the owner thread
         int64_t plan[3]           # the last attention call's threads, heads/item, key chunks
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
@@ -239,6 +253,10 @@ cdef class CacheCore:
         caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
             raise RuntimeError("the cache is already initialized")
+        self.wake = PyThread_allocate_lock()
+        if self.wake == NULL:
+            raise MemoryError("cannot allocate the cache's lock")
+        PyThread_acquire_lock(self.wake, WAIT_LOCK)  # taken: waiters block on it
         nb = _positive_int("num_blocks", num_blocks)
         bs = _positive_int("block_size", block_size)
         hkv = _positive_int("num_kv_heads", num_kv_heads)
@@ -278,17 +296,19 @@ cdef class CacheCore:
         self.b_seqs = <Seq **>_zalloc(sizeof(void *) * ms, &self._raw[2])
         self.b_mark = <int64_t *>_zalloc(8 * ms, &self._raw[3])
         self.b_plans = <_Plan *>_zalloc(sizeof(_Plan) * ms, &self._raw[4])
-        self.b_ids = <int64_t *>_zalloc(8 * ms, &self._raw[5])
         self.has_rope = rope_cos is not None
         if self.has_rope:
             self._set_rope(rope_cos, rope_sin)
         self._ensure_scratch(max(pkv_max_threads(), os.cpu_count() or 1))
 
     def __dealloc__(self):
-        for i in range(6):
+        for i in range(5):
             free(self._raw[i])
         free(self.scratch_raw)
         free(self.partial_raw)
+        if self.wake != NULL:
+            PyThread_release_lock(self.wake)
+            PyThread_free_lock(self.wake)
 
     cdef _set_rope(self, cos, sin):
         dt = np.float32 if self.compute == PKV_F32 else np.float64
@@ -352,136 +372,248 @@ cdef class CacheCore:
     # ------------------------------------------------------------------
     # calls and ids
 
-    cdef inline int _check_idle(self) except -1:
-        if self.busy:
-            raise RuntimeError(
-                "this cache is in use by another thread (a cache serves one call at a time)")
+    # Thread model.  One lock per cache serializes every call that reads or
+    # changes sequences or blocks: a second thread waits for it with the GIL
+    # released, so the first one's kernels (which run without the GIL) finish.
+    # Separate caches share nothing and run in parallel.  The lock is
+    # reentrant for the thread holding it, so the facade can hold it across
+    # several calls (hold()); a public call started from inside another on the
+    # same thread (an array's __array__ running during input conversion) raises
+    # RuntimeError instead of seeing a half-done call.
+    #
+    # The lock's state (owner, depth, waiters) is guarded by the GIL: testing
+    # and taking a free cache is two plain loads and stores, with no Python code
+    # in between, so the uncontended cost is a few nanoseconds (a pthread-backed
+    # try-acquire + release measured ~+40-100 ns per append).  Only a thread
+    # that finds the cache taken blocks, on the `wake` semaphore, without the
+    # GIL; every release with waiters posts it once, and a woken thread checks
+    # again (a post can be spurious: another thread may have taken the cache
+    # first).  This relies on the GIL: a free-threaded build would need an
+    # atomic compare-and-swap here.
+
+    cdef inline int _acquire(self) except -1:
+        cdef unsigned long me = PyThread_get_thread_ident()
+        if self.owner == 0:
+            self.owner = me
+            self.depth = 1
+            return 0
+        if self.owner == me:
+            self.depth += 1
+            return 0
+        self.waiters += 1
+        while self.owner != 0:
+            with nogil:
+                PyThread_acquire_lock(self.wake, WAIT_LOCK)
+        self.waiters -= 1
+        self.owner = me
+        self.depth = 1
         return 0
 
-    cdef inline int _claim(self) except -1:
-        """Mark the cache busy for a call that releases the GIL (the caller clears
-        it in a finally): from here on other threads' calls on this cache raise."""
-        self._check_idle()
-        self.busy = True
+    cdef inline void _release(self) noexcept:
+        self.depth -= 1
+        if self.depth == 0:
+            self.owner = 0
+            if self.waiters:
+                PyThread_release_lock(self.wake)
+
+    cdef inline int _enter(self) except -1:
+        """Begin a public call: take the lock (waiting for another thread's call)."""
+        self._acquire()
+        if self.in_call:
+            self._release()
+            raise RuntimeError(
+                "a call on this cache was made from inside another call on it on the same "
+                "thread (e.g. from an array's __array__ during input conversion)")
+        self.in_call = True
         return 0
+
+    cdef inline void _exit(self) noexcept:
+        self.in_call = False
+        self._release()
+
+    def hold(self):
+        """A context manager holding the cache's lock across several calls of
+        this thread (other threads' calls wait until it is left)."""
+        return _Hold(self)
 
     cdef inline Seq *_seq(self, object sid) except NULL:
-        """The live sequence `sid` (KeyError otherwise); the cache must be idle."""
-        self._check_idle()
+        """The live sequence `sid` (KeyError otherwise)."""
         return self.seqs.lookup(sid)
 
     cdef inline int _check_layer(self, object layer) except -1:
         cdef long long l
-        if type(layer) is int:
-            l = PyLong_AsLongLong(layer)
-        elif isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_)):
-            l = int(layer)
-        else:
+        if type(layer) is not int and (not isinstance(layer, (int, np.integer))
+                                       or isinstance(layer, (bool, np.bool_))):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        try:
+            l = PyLong_AsLongLong(layer) if type(layer) is int else int(layer)
+        except OverflowError:
+            l = -1
         if l < 0 or l >= self.num_layers:
             raise ValueError(f"layer {layer} out of range: the cache has {self.num_layers} layer(s)")
         return <int>l
-
-    cdef inline int _check_still_live(self, const Seq *s, int64_t sid) except -1:
-        """After input conversion (which may let another thread run): idle, and the
-        sequence not freed meanwhile."""
-        self._check_idle()
-        if s.sid != sid:
-            raise KeyError(f"unknown or freed sequence id {sid!r}")
-        return 0
 
     # ------------------------------------------------------------------
     # sequences
 
     def add_sequence(self, double priority=0.0):
         """Start an empty sequence and return its id."""
-        return self.seqs.new_seq(priority).sid
+        self._enter()
+        try:
+            return self.seqs.new_seq(priority).sid
+        finally:
+            self._exit()
 
     def __contains__(self, sid):
         """`sid in cache`: True for a live sequence id."""
+        self._enter()
         try:
             self._seq(sid)
         except (KeyError, TypeError):
             return False
+        finally:
+            self._exit()
         return True
 
     def sequence_ids(self):
         """Ids of the live sequences, lowest slot first."""
-        return self.seqs.live_ids()
+        self._enter()
+        try:
+            return self.seqs.live_ids()
+        finally:
+            self._exit()
 
     def free(self, sid):
         """Release a sequence and every block only it held."""
-        self.seqs.remove(self._seq(sid))
-        self.seqs_freed += 1
+        self._enter()
+        try:
+            self.seqs.remove(self._seq(sid))
+            self.seqs_freed += 1
+        finally:
+            self._exit()
 
     def evict_sequence(self, sid):
         """Release a sequence as an eviction (not counted as freed); returns
         (tokens, blocks held, blocks returned to the pool)."""
-        cdef Seq *s = self._seq(sid)
-        cdef int64_t tokens = pkv_held(&s.segs), blocks = s.nblk, before = self.pool.num_free
-        self.seqs.remove(s)
-        return tokens, blocks, self.pool.num_free - before
+        cdef Seq *s
+        cdef int64_t tokens, blocks, before
+        self._enter()
+        try:
+            s = self._seq(sid)
+            tokens, blocks, before = pkv_held(&s.segs), s.nblk, self.pool.num_free
+            self.seqs.remove(s)
+            return tokens, blocks, self.pool.num_free - before
+        finally:
+            self._exit()
 
     def seq_len(self, sid):
         """Tokens the sequence holds now (after eviction)."""
-        return pkv_held(&self._seq(sid).segs)
+        self._enter()
+        try:
+            return pkv_held(&self._seq(sid).segs)
+        finally:
+            self._exit()
 
     def num_seq_blocks(self, sid):
         """Blocks the sequence holds now."""
-        return self._seq(sid).nblk
+        self._enter()
+        try:
+            return self._seq(sid).nblk
+        finally:
+            self._exit()
 
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
-        cdef Seq *s = self._seq(sid)
-        return np.concatenate([
-            np.arange(s.segs.a0, s.segs.a1, dtype=np.int64) + s.off0,
-            np.arange(s.segs.b0, s.segs.b1, dtype=np.int64) + s.off1,
-        ])
+        cdef Seq *s
+        self._enter()
+        try:
+            s = self._seq(sid)
+            return np.concatenate([
+                np.arange(s.segs.a0, s.segs.a1, dtype=np.int64) + s.off0,
+                np.arange(s.segs.b0, s.segs.b1, dtype=np.int64) + s.off1,
+            ])
+        finally:
+            self._exit()
 
-    def block_table(self, sid):
-        """Physical block ids of the sequence, in order (a copy, int32)."""
-        cdef Seq *s = self._seq(sid)
+    cdef object _table_copy(self, const Seq *s):
         out = np.empty(s.nblk, dtype=np.int32)
         if s.nblk:
             memcpy(cnp.PyArray_DATA(out), s.table, 4 * s.nblk)
         return out
+
+    def block_table(self, sid):
+        """Physical block ids of the sequence, in order (a copy, int32)."""
+        cdef Seq *s
+        self._enter()
+        try:
+            return self._table_copy(self._seq(sid))
+        finally:
+            self._exit()
 
     def sequence_infos(self):
         """(sid, last_use, use_count, tokens, blocks, priority, order) of every live
         sequence, lowest slot first: what the eviction strategies rank."""
         cdef int64_t i
         cdef Seq *s
-        self._check_idle()
-        out = []
-        for i in range(self.seqs.max_seqs):
-            s = &self.seqs.seqs[i]
-            if s.sid >= 0:
-                out.append((s.sid, s.last_use, s.use_count, pkv_held(&s.segs), s.nblk,
-                            s.priority, s.order))
-        return out
+        self._enter()
+        try:
+            out = []
+            for i in range(self.seqs.max_seqs):
+                s = &self.seqs.seqs[i]
+                if s.sid >= 0:
+                    out.append((s.sid, s.last_use, s.use_count, pkv_held(&s.segs), s.nblk,
+                                s.priority, s.order))
+            return out
+        finally:
+            self._exit()
 
     def set_priority(self, sid, double priority):
-        self._seq(sid).priority = priority
+        self._enter()
+        try:
+            self._seq(sid).priority = priority
+        finally:
+            self._exit()
 
     def priority(self, sid):
-        return self._seq(sid).priority
+        self._enter()
+        try:
+            return self._seq(sid).priority
+        finally:
+            self._exit()
 
     def fork(self, sid):
         """New sequence sharing every block of `sid` (copy-on-write)."""
-        return self.seqs.fork(self._seq(sid)).sid
+        self._enter()
+        try:
+            return self.seqs.fork(self._seq(sid)).sid
+        finally:
+            self._exit()
 
     def truncate(self, sid, length):
         """Roll back to the first `length` held tokens."""
-        cdef Seq *s = self._seq(sid)
-        if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
-            raise TypeError(f"length must be an int, got {type(length).__name__}")
-        cdef int64_t held = pkv_held(&s.segs)
-        if length < 0 or length > held:
-            raise ValueError(f"truncate length must be in [0, {held}], got {length}")
-        self.seqs.truncate(s, length)
+        cdef Seq *s
+        cdef int64_t held
+        self._enter()
+        try:
+            s = self._seq(sid)
+            if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
+                raise TypeError(f"length must be an int, got {type(length).__name__}")
+            held = pkv_held(&s.segs)
+            if length < 0 or length > held:
+                raise ValueError(f"truncate length must be in [0, {held}], got {length}")
+            self.seqs.truncate(s, length)
+        finally:
+            self._exit()
 
     def written_tokens(self, sid):
         """Stream positions written on every layer (the fully written prefix)."""
+        self._enter()
+        try:
+            return self._written_tokens(sid)
+        finally:
+            self._exit()
+
+    cdef object _written_tokens(self, object sid):
         cdef Seq *s = self._seq(sid)
         cdef int64_t w = s.written[0]
         cdef int l
@@ -493,7 +625,13 @@ cdef class CacheCore:
         """A new sequence holding `blocks` (in use, or free but still cached),
         full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
         Returns its id; raises and changes nothing when a block is invalid."""
-        self._check_idle()
+        self._enter()
+        try:
+            return self._adopt(blocks, priority)
+        finally:
+            self._exit()
+
+    cdef object _adopt(self, object blocks, object priority):
         cdef cnp.ndarray arr = np.ascontiguousarray(blocks, dtype=np.int32)
         cdef int64_t n = arr.shape[0] if arr.ndim == 1 else -1, i
         cdef const int32_t *b = <const int32_t *>cnp.PyArray_DATA(arr)
@@ -513,7 +651,13 @@ cdef class CacheCore:
     def compact(self):
         """Move every used block to the lowest ids and rewrite the block tables.
         Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
-        self._check_idle()
+        self._enter()
+        try:
+            return self._compact()
+        finally:
+            self._exit()
+
+    cdef object _compact(self):
         moved_to = np.empty(self.pool.num_blocks, dtype=np.int32)
         cdef int32_t *m = <int32_t *>cnp.PyArray_DATA(moved_to)
         moves = self.pool.compact(m)
@@ -523,7 +667,13 @@ cdef class CacheCore:
     def resize(self, num_blocks):
         """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
         free: compact() first).  max_blocks_per_seq does not change."""
-        self._check_idle()
+        self._enter()
+        try:
+            return self._resize(num_blocks)
+        finally:
+            self._exit()
+
+    cdef object _resize(self, object num_blocks):
         n = _positive_int("num_blocks", num_blocks)
         if n > 2**31 - 1:
             raise ValueError(f"num_blocks must be < 2**31, got {n}")
@@ -540,6 +690,13 @@ cdef class CacheCore:
     def export_seq(self, sid):
         """(meta, blocks) of a sequence: its segments and offsets, and its
         blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
+        self._enter()
+        try:
+            return self._export_seq(sid)
+        finally:
+            self._exit()
+
+    cdef object _export_seq(self, object sid):
         cdef Seq *s = self._seq(sid)
         cdef int64_t total = s.segs.b1 + s.off1, i
         cdef int l
@@ -560,7 +717,13 @@ cdef class CacheCore:
     def import_seq(self, meta, data):
         """A new sequence from export_seq's (meta, blocks); checks everything
         first and changes nothing when it raises."""
-        self._check_idle()
+        self._enter()
+        try:
+            return self._import_seq(meta, data)
+        finally:
+            self._exit()
+
+    cdef object _import_seq(self, object meta, object data):
         cdef size_t bb = self.pool.geom.block_bytes
         cdef int64_t bs = self.block_size, i
         try:
@@ -600,27 +763,36 @@ cdef class CacheCore:
 
     def set_streaming(self, int64_t sink_tokens, int64_t window_tokens):
         """Per-append trimming on (sink, window >= 0) or off (-1, -1)."""
-        self.sink_tokens = sink_tokens
-        self.window_tokens = window_tokens
+        self._enter()
+        try:
+            self.sink_tokens = sink_tokens
+            self.window_tokens = window_tokens
+        finally:
+            self._exit()
 
     def trim(self, sid, int64_t sink_tokens, int64_t window_tokens):
         """Evict `sid` now to its first sink_tokens + last window_tokens held tokens
         (counted as a one-shot StreamingLLM eviction).  Returns (tokens evicted,
         blocks returned to the pool)."""
-        cdef Seq *s = self._seq(sid)
+        cdef Seq *s
         cdef _Plan p
-        cdef int64_t before = self.pool.num_free
-        cdef int64_t total = s.segs.b1 + s.off1, l
-        for l in range(self.num_layers):
-            # a pending layer append writes the newest step_n slots: they must not move
-            if s.written[l] != total:
-                raise ValueError(
-                    f"cannot trim sequence {sid} in the middle of a step: layer {l} lacks "
-                    "its newest tokens (append them on every layer first)")
-        _plan_init(&p, s)
-        self.seqs.plan_trim(s, sink_tokens, window_tokens, &p)
-        self.seqs.apply_drop(s, &p, _TRIM_ONE_SHOT)
-        return p.evicted_tokens, self.pool.num_free - before
+        cdef int64_t before, total, l
+        self._enter()
+        try:
+            s = self._seq(sid)
+            before, total = self.pool.num_free, s.segs.b1 + s.off1
+            for l in range(self.num_layers):
+                # a pending layer append writes the newest step_n slots: they must not move
+                if s.written[l] != total:
+                    raise ValueError(
+                        f"cannot trim sequence {sid} in the middle of a step: layer {l} lacks "
+                        "its newest tokens (append them on every layer first)")
+            _plan_init(&p, s)
+            self.seqs.plan_trim(s, sink_tokens, window_tokens, &p)
+            self.seqs.apply_drop(s, &p, _TRIM_ONE_SHOT)
+            return p.evicted_tokens, self.pool.num_free - before
+        finally:
+            self._exit()
 
     # ------------------------------------------------------------------
     # input checks
@@ -649,7 +821,7 @@ cdef class CacheCore:
             arr = <cnp.ndarray>a
         if arr.dtype.kind != "f":
             raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {arr.dtype}")
-        want = f"[{d0name}, {d1}, {d2}]"
+        want = f"[{d0name}, {d1}, {d2}]" if d0 < 0 else f"[{d0name}={d0}, {d1}, {d2}]"
         if arr.ndim != 3:
             raise ValueError(f"{name} must have shape {want}, got {np.ndim(arr)}-d shape {np.shape(arr)}")
         dims = cnp.PyArray_DIMS(arr)
@@ -723,14 +895,19 @@ cdef class CacheCore:
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
         if token_ids is not None:
             _no_token_ids()
+        self._enter()
+        try:
+            return self._append(sid, k, v, layer)
+        finally:
+            self._exit()
+
+    cdef object _append(self, object sid, object k, object v, object layer):
         cdef Seq *s = self._seq(sid)
-        cdef int64_t id = s.sid
         cdef int l = self._check_layer(layer)
         k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n")
         cdef int64_t n = cnp.PyArray_DIMS(k)[0]
         v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n")
         cdef _Plan p
-        self._check_still_live(s, id)
         if l == 0:
             self.seqs.plan_grow(s, n, self.sink_tokens, self.window_tokens, &p)
             self.seqs.check_seq_bound(&p)
@@ -770,13 +947,19 @@ cdef class CacheCore:
                 raise ValueError(f"sequence id {sids[i]!r} appears twice in sids")
             self.b_mark[slot] = self.mark
             self.b_seqs[i] = s
-            self.b_ids[i] = s.sid
         return B
 
     def append_batch(self, sids, k, v, layer=0, token_ids=None):
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
         if token_ids is not None:
             _no_token_ids()
+        self._enter()
+        try:
+            return self._append_batch(sids, k, v, layer)
+        finally:
+            self._exit()
+
+    cdef object _append_batch(self, object sids, object k, object v, object layer):
         cdef int l = self._check_layer(layer)
         cdef int64_t B = self._batch_seqs(sids)
         cdef int64_t i, needed = 0, freed = 0
@@ -787,10 +970,6 @@ cdef class CacheCore:
         cdef const char *kp = <const char *>cnp.PyArray_DATA(k)
         cdef const char *vp = <const char *>cnp.PyArray_DATA(v)
         cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
-        self._check_idle()  # input conversion may have let another thread in
-        for i in range(B):
-            if self.b_seqs[i].sid != self.b_ids[i]:
-                raise KeyError(f"unknown or freed sequence id {sids[i]!r}")
         if l == 0:
             for i in range(B):
                 p = &self.b_plans[i]
@@ -861,18 +1040,24 @@ cdef class CacheCore:
     cdef double _scale(self, object scale) except? -1:
         if scale is None:
             return 1.0 / sqrt(<double>self.head_dim)
-        s = float(scale)
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(
+                scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be None or a number, got {type(scale).__name__}")
+        try:
+            s = float(scale)
+        except OverflowError:  # an int beyond the float range
+            s = float("inf")
         if not np.isfinite(s):
             raise ValueError(f"scale must be finite, got {scale}")
         return s
 
     def attend(self, sid, q, layer=0, scale=None, out=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
-        self._claim()
+        self._enter()
         try:
             return self._attend(sid, q, layer, scale, out)
         finally:
-            self.busy = False
+            self._exit()
 
     cdef object _attend(self, object sid, object q, object layer, object scale, object out):
         cdef Seq *s = self.seqs.lookup(sid)
@@ -897,11 +1082,11 @@ cdef class CacheCore:
 
     def attend_batch(self, sids, q, layer=0, scale=None, out=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
-        self._claim()
+        self._enter()
         try:
             return self._attend_batch(sids, q, layer, scale, out)
         finally:
-            self.busy = False
+            self._exit()
 
     cdef object _attend_batch(self, object sids, object q, object layer, object scale,
                               object out):
@@ -936,11 +1121,11 @@ cdef class CacheCore:
         (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
         (bytes read, XOR of all bytes read): the decode read ceiling the
         benchmark measures over the same pool and block tables."""
-        self._claim()
+        self._enter()
         try:
             return self._read_kv_pattern(sids, layer)
         finally:
-            self.busy = False
+            self._exit()
 
     cdef object _read_kv_pattern(self, object sids, object layer):
         cdef int l = self._check_layer(layer)
@@ -969,11 +1154,11 @@ cdef class CacheCore:
 
     def gather(self, sid, layer=0):
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
-        self._claim()
+        self._enter()
         try:
             return self._gather(sid, layer)
         finally:
-            self.busy = False
+            self._exit()
 
     cdef object _gather(self, object sid, object layer):
         cdef Seq *s = self.seqs.lookup(sid)
@@ -997,7 +1182,11 @@ cdef class CacheCore:
 
     def ref_count(self, block):
         """References to a physical block (0: free)."""
-        return self.pool.ref_count(block)
+        self._enter()
+        try:
+            return self.pool.ref_count(block)
+        finally:
+            self._exit()
 
     @property
     def last_attention_plan(self):
@@ -1007,10 +1196,29 @@ cdef class CacheCore:
 
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""
-        cdef Seq *s = self._seq(sid)
-        return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
-                    off1=s.off1, table=self.block_table(sid).tolist())
+        cdef Seq *s
+        self._enter()
+        try:
+            s = self._seq(sid)
+            return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
+                        off1=s.off1, table=self._table_copy(s).tolist())
+        finally:
+            self._exit()
 
+cdef class _Hold:
+    """`with core.hold():` -- see CacheCore.hold."""
+    cdef CacheCore core
+
+    def __cinit__(self, CacheCore core):
+        self.core = core
+
+    def __enter__(self):
+        self.core._acquire()
+        return self.core
+
+    def __exit__(self, *exc):
+        self.core._release()
+        return False
 
 
 def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):

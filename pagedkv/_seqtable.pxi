@@ -348,7 +348,7 @@ cdef class SequenceTable:
         if after <= self.max_blocks_per_seq:
             return 0
         if self.max_blocks_per_seq >= self.pool.num_blocks:
-            raise OutOfBlocksError(p.new_blocks + p.cow, self.pool.num_free + p.freed)
+            raise OutOfBlocksError(p.new_blocks + p.cow, self.pool.num_free + p.freed, True)
         raise ValueError(
             f"the sequence would hold {after} blocks; max_blocks_per_seq is "
             f"{self.max_blocks_per_seq}")

@@ -287,34 +287,43 @@ class PagedKVCache:
         salts' (e.g. per tenant)."""
         priority = check_priority(priority)
         if token_ids is None and cache_salt is None:
-            sid = self._core.add_sequence(priority)
-            if self._prefix is not None:
+            if self._prefix is None:
+                return self._core.add_sequence(priority)
+            with self._core.hold():
+                sid = self._core.add_sequence(priority)
                 self._prefix.new_sequence(sid)
             return sid
         if self._prefix is None:
             raise TypeError("token_ids= and cache_salt= are for caches made with "
                             "prefix_caching=True")
-        return self._prefix.add_sequence([] if token_ids is None else token_ids, priority,
-                                         cache_salt)
+        with self._core.hold():  # lookup and adopt as one step for other threads
+            return self._prefix.add_sequence([] if token_ids is None else token_ids, priority,
+                                             cache_salt)
 
     def fork(self, sid: int) -> int:
         """New sequence sharing every block of `sid` (copy-on-write); it
         inherits the parent's priority."""
-        child = self._core.fork(sid)
-        if self._prefix is not None:
+        if self._prefix is None:
+            return self._core.fork(sid)
+        with self._core.hold():
+            child = self._core.fork(sid)
             self._prefix.forked(sid, child)
         return child
 
     def truncate(self, sid: int, length: int) -> None:
         """Roll back to the first `length` held tokens."""
-        self._core.truncate(sid, length)
-        if self._prefix is not None:
+        if self._prefix is None:
+            return self._core.truncate(sid, length)
+        with self._core.hold():
+            self._core.truncate(sid, length)
             self._prefix.truncated(sid, length)
 
     def free(self, sid: int) -> None:
         """Release a sequence and every block only it held."""
-        self._core.free(sid)
-        if self._prefix is not None:
+        if self._prefix is None:
+            return self._core.free(sid)
+        with self._core.hold():
+            self._core.free(sid)
             self._prefix.released(sid)
 
     def seq_len(self, sid: int) -> int:
@@ -344,9 +353,10 @@ class PagedKVCache:
     def sequence_info(self, sid: int) -> SequenceInfo:
         """What the eviction strategies see of a live sequence: last use,
         use count, tokens, blocks, priority, creation order."""
-        self._core.seq_len(sid)  # KeyError / TypeError for a bad id
-        sid = int(sid)
-        return next(i for i in self._evictor.infos() if i.sid == sid)
+        with self._core.hold():
+            self._core.seq_len(sid)  # KeyError / TypeError for a bad id
+            sid = int(sid)
+            return next(i for i in self._evictor.infos() if i.sid == sid)
 
     def set_priority(self, sid: int, priority: float) -> None:
         """Change the priority of a live sequence (lower is evicted first)."""
@@ -475,29 +485,36 @@ class PagedKVCache:
         """Move every used block to the lowest block ids (updating every block
         table and the prefix index) so that ``resize`` can hand the top of the
         pool back; returns the blocks moved.  Contents are unchanged."""
-        if self._prefix is not None:
-            self._prefix.prune()
-        moved, moved_to = self._core.compact()
-        if self._prefix is not None:
-            self._prefix.remap(moved_to)
+        with self._core.hold():  # the moves and the index update as one step
+            if self._prefix is not None:
+                self._prefix.prune()
+            moved, moved_to = self._core.compact()
+            if self._prefix is not None:
+                self._prefix.remap(moved_to)
         return moved
 
     def resize(self, num_blocks: int) -> None:
         """Grow or shrink the pool to `num_blocks`.  Shrinking below the highest
         used block raises ValueError (call ``compact()`` first) and changes
         nothing.  ``max_blocks_per_seq`` stays as it was."""
-        self._core.resize(num_blocks)
-        if self._prefix is not None:
-            self._prefix.prune()
+        with self._core.hold():
+            self._core.resize(num_blocks)
+            if self._prefix is not None:
+                self._prefix.prune()
 
     # ------------------------------------------------------------------
     # statistics
 
     def stats(self) -> CacheStats:
         """A CacheStats snapshot (counts, bytes, fragmentation, activity)."""
-        return collect(self._core, self._evictor, self._prefix)
+        with self._core.hold():  # one consistent snapshot
+            return collect(self._core, self._evictor, self._prefix)
 
     def __repr__(self) -> str:
+        with self._core.hold():
+            return self._summary()
+
+    def _summary(self) -> str:
         core = self._core
         extra = ""
         if self.streaming is not None:

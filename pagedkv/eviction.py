@@ -199,6 +199,10 @@ class SequenceEvictor:
     # evicting
     def evict(self, sid: Optional[int] = None) -> Optional[int]:
         """See PagedKVCache.evict."""
+        with self._core.hold():  # choose and evict as one step for other threads
+            return self._evict_one(sid)
+
+    def _evict_one(self, sid: Optional[int]) -> Optional[int]:
         if sid is None:
             sid = self.select()
             if sid is None:
@@ -215,11 +219,12 @@ class SequenceEvictor:
         core = self._core
         ex = id_set(exclude)
         evicted = []
-        while core.num_blocks - core.num_free_blocks > target * core.num_blocks:
-            sid = self.select(ex)
-            if sid is None:
-                break
-            evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.strategy)))
+        with core.hold():
+            while core.num_blocks - core.num_free_blocks > target * core.num_blocks:
+                sid = self.select(ex)
+                if sid is None:
+                    break
+                evicted.append(self._evict(sid, CAUSE_THRESHOLD, str(self.strategy)))
         return evicted
 
     def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
@@ -245,28 +250,31 @@ class SequenceEvictor:
         """PagedKVCache.append that, when the pool is short, first evicts other
         sequences by the strategy.  Returns the evicted ids."""
         core = self._core
-        try:
-            core.append(sid, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
+        with core.hold():  # the append, the evictions and the retry as one step
+            try:
+                core.append(sid, k, v, layer)
+                return ()
+            except OutOfBlocksError as e:
+                err = e
+            return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
 
     def append_batch(self, sids, k, v, layer=0) -> Tuple[int, ...]:
         """PagedKVCache.append_batch that, when the pool is short, first evicts
         sequences outside `sids` by the strategy.  Returns the evicted ids."""
         core = self._core
-        try:
-            core.append_batch(sids, k, v, layer)
-            return ()
-        except OutOfBlocksError as e:
-            err = e
-        return self._make_room(err, id_set(sids), lambda: core.append_batch(sids, k, v, layer))
+        with core.hold():
+            try:
+                core.append_batch(sids, k, v, layer)
+                return ()
+            except OutOfBlocksError as e:
+                err = e
+            return self._make_room(err, id_set(sids),
+                                   lambda: core.append_batch(sids, k, v, layer))
 
     def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
         """Evict by the strategy (never `exclude`) until `retry()` stops
         raising OutOfBlocksError; return the evicted ids."""
-        if self._releasable_blocks(exclude) < err.needed - err.available:
+        if err.whole_pool or self._releasable_blocks(exclude) < err.needed - err.available:
             raise err
         evicted = []
         while True:
@@ -301,15 +309,22 @@ def id_set(ids) -> set:
 def check_priority(p) -> float:
     if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
         raise TypeError(f"priority must be a number, got {type(p).__name__}")
-    if not math.isfinite(p):
-        raise ValueError(f"priority must be finite, got {p}")
-    return float(p)
+    try:
+        value = float(p)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"priority must be a finite number, got {p}")
+    return value
 
 
 def check_utilization(name, u) -> float:
     if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number in [0, 1], got {type(u).__name__}")
-    u = float(u)
-    if not 0.0 <= u <= 1.0:
+    try:
+        value = float(u)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {u}")
-    return u
+    return value

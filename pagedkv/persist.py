@@ -70,9 +70,10 @@ def config_of(cache) -> dict:
 def save(cache, sid, path) -> int:
     """Write sequence `sid` to `path` atomically; returns the bytes written."""
     core = cache._core
-    meta, blocks = core.export_seq(sid)
-    meta["length"] = cache.seq_len(sid)
-    tokens = cache._prefix.tokens_of(sid) if cache._prefix is not None else None
+    with core.hold():  # one snapshot; the file is written after the lock is left
+        meta, blocks = core.export_seq(sid)
+        meta["length"] = cache.seq_len(sid)
+        tokens = cache._prefix.tokens_of(sid) if cache._prefix is not None else None
     header = json.dumps({
         "config": config_of(cache),
         "sequence": meta,
@@ -157,10 +158,11 @@ def load(cache, path, priority=None) -> int:
     if tokens is not None and (not isinstance(tokens, list) or len(tokens) != meta.get("length")
                                or not all(type(t) is int for t in tokens)):
         raise CacheFileError(f"{os.fspath(path)}: malformed token_ids")
-    sid = cache._core.import_seq(meta, payload)
-    if cache._prefix is not None:
-        if tokens is not None:
-            cache._prefix.restored(sid, tokens)
-        else:
-            cache._prefix.new_sequence(sid)
+    with cache._core.hold():  # the sequence and its prefix-index entries as one step
+        sid = cache._core.import_seq(meta, payload)
+        if cache._prefix is not None:
+            if tokens is not None:
+                cache._prefix.restored(sid, tokens)
+            else:
+                cache._prefix.new_sequence(sid)
     return sid

@@ -264,6 +264,8 @@ def append_fn(prefix: PrefixCache, inner):
     """``append(sid, k, v, layer=0, token_ids=None)`` calling `inner` (the
     core's or the evictor's append) and registering what it filled."""
 
+    hold = prefix._core.hold
+
     def append(sid, k, v, layer=0, token_ids=None):
         ids = None
         if token_ids is not None:
@@ -271,10 +273,11 @@ def append_fn(prefix: PrefixCache, inner):
             n = _count(k)
             if n is not None and len(ids) != n:
                 raise ValueError(f"token_ids has {len(ids)} ids for {n} tokens")
-        result = inner(sid, k, v, layer)
-        if layer == 0:
-            prefix.appended(sid, len(k), ids)
-        prefix.register(sid)
+        with hold():  # the append and its index entries as one step for other threads
+            result = inner(sid, k, v, layer)
+            if layer == 0:
+                prefix.appended(sid, len(k), ids)
+            prefix.register(sid)
         return result
 
     append.__doc__ = "Append n tokens' K/V; token_ids (layer 0): their ids, for prefix caching."
@@ -285,6 +288,8 @@ def append_batch_fn(prefix: PrefixCache, inner):
     """``append_batch(sids, k, v, layer=0, token_ids=None)``: as append_fn,
     one token (and one id) per sequence."""
 
+    hold = prefix._core.hold
+
     def append_batch(sids, k, v, layer=0, token_ids=None):
         ids = None
         if token_ids is not None:
@@ -292,11 +297,12 @@ def append_batch_fn(prefix: PrefixCache, inner):
             n = _count(sids)
             if n is not None and len(ids) != n:
                 raise ValueError(f"token_ids has {len(ids)} ids for {n} sequences")
-        result = inner(sids, k, v, layer)
-        for i, sid in enumerate(sids):
-            if layer == 0:
-                prefix.appended(sid, 1, None if ids is None else ids[i:i + 1])
-            prefix.register(sid)
+        with hold():
+            result = inner(sids, k, v, layer)
+            for i, sid in enumerate(sids):
+                if layer == 0:
+                    prefix.appended(sid, 1, None if ids is None else ids[i:i + 1])
+                prefix.register(sid)
         return result
 
     append_batch.__doc__ = "Append one token per sequence; token_ids (layer 0): one id each."

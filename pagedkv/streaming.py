@@ -35,8 +35,9 @@ class StreamingLLM:
     def __post_init__(self):
         for name in ("sink_tokens", "window_tokens"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**61:
+                raise ValueError(f"{name} must be an int in [0, 2**61), got {v!r}")
+            object.__setattr__(self, name, int(v))  # a NumPy int would overflow in sums
         if self.sink_tokens + self.window_tokens < 1:
             raise ValueError("sink_tokens + window_tokens must be at least 1")
 

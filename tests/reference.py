@@ -321,3 +321,35 @@ def ref_stored(x, kv_dtype, dtype):
     if kv_dtype == "int8":
         return ref_int8(x, dtype)
     return ref_round_float(x, kv_dtype).astype(dtype)
+
+
+def check_pool_invariants(cache):
+    """Block accounting of a whole cache, read in one hold of its lock.
+
+    Every block's reference count equals the number of block-table entries naming it, the free
+    queue holds exactly the unreferenced blocks, free + used == total, and stats agree.  (When a
+    feature adds references, such as a prefix index, count them here.)
+    """
+    from collections import Counter
+
+    core = cache._core
+    with core.hold():
+        refs = Counter()
+        tokens = 0
+        for sid in cache.sequence_ids():
+            table = cache.block_table(sid).tolist()
+            assert len(table) == cache.num_seq_blocks(sid)
+            assert len(set(table)) == len(table), f"sequence {sid} names a block twice: {table}"
+            refs.update(table)
+            tokens += cache.seq_len(sid)
+            assert cache.seq_len(sid) <= len(table) * cache.block_size
+        assert all(0 <= b < cache.num_blocks for b in refs)
+        counts = [core.ref_count(b) for b in range(cache.num_blocks)]
+        for b, c in enumerate(counts):
+            assert c == refs.get(b, 0), f"block {b}: ref count {c}, referenced {refs.get(b, 0)} times"
+        free = [b for b, c in enumerate(counts) if c == 0]
+        assert cache.num_free_blocks == len(free), (cache.num_free_blocks, len(free))
+        assert sorted(core.pool.free_blocks()) == free  # the queue: each free block once
+        stats = cache.stats()
+        assert stats.blocks_free + stats.blocks_used == stats.blocks_total == cache.num_blocks
+        assert stats.tokens_held == tokens
