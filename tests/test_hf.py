@@ -6,7 +6,6 @@ default DynamicCache and sdpa.  Tokens must be identical; logits within rel 1e-5
 The StreamingLLM test compares with a NumPy re-run of the same model with the paper's cache.
 """
 import importlib.util
-import inspect
 import os
 
 import numpy as np
@@ -231,9 +230,8 @@ def test_errors(models):
             ours(_prompt(10, 2, 8), past_key_values=rows)
     assert [rows.paged.seq_len(s) for s in rows.sequence_ids] == [0, 0]
     assert rows.get_seq_length() == 0 and rows.paged.num_free_blocks == 3
-    if "kv_dtype" not in inspect.signature(pagedkv.PagedKVCache.__init__).parameters:
-        with pytest.raises(TypeError, match="kv_dtype"):
-            paged_cache(ours, num_blocks=8, kv_dtype="bfloat16")
+    with pytest.raises(TypeError, match="kv_dtype"):
+        paged_cache(ours, num_blocks=8, kv_dtype="bfloat8")
     half = LlamaForCausalLM(_config()).to(torch.bfloat16)
     with pytest.raises(TypeError, match="float32 or float64"):
         paged_cache(half, num_blocks=8)
@@ -252,8 +250,6 @@ def test_wrong_attention_is_caught(models):
         ours.set_attn_implementation("pagedkv")
 
 
-@pytest.mark.skipif("kv_dtype" not in inspect.signature(pagedkv.PagedKVCache.__init__).parameters,
-                    reason="this PagedKVCache has no kv_dtype (storage formats) yet")
 def test_bfloat16_storage(models):
     ours, ref = models
     ids = _prompt(12, 1, 20)
