@@ -797,11 +797,14 @@ cdef class CacheCore:
     # ------------------------------------------------------------------
     # input checks
 
-    cdef object _input(self, object a, str name, int64_t d0, int d1, int d2, str d0name):
+    cdef object _input(self, object a, str name, int64_t d0, int d1, int d2, str d0name,
+                       bint convert=True):
         """Return `a` as a C-contiguous array of the cache dtype and shape (d0, d1, d2).
 
         d0 < 0 accepts any leading size >= 1.  Other float dtypes are
         converted, non-contiguous arrays copied; anything else raises.
+        convert=False: check only, and return the array as it is (the caller
+        checks sizes before paying for a copy, then calls _input again).
         """
         cdef cnp.ndarray arr
         cdef cnp.npy_intp *dims
@@ -827,6 +830,8 @@ cdef class CacheCore:
         dims = cnp.PyArray_DIMS(arr)
         if not ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1)) and dims[1] == d1 and dims[2] == d2):
             raise ValueError(f"{name} must have shape {want}, got {np.shape(arr)}")
+        if not convert:
+            return arr
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
     cdef object _output(self, object out, int64_t n, int hq):
@@ -904,19 +909,25 @@ cdef class CacheCore:
     cdef object _append(self, object sid, object k, object v, object layer):
         cdef Seq *s = self._seq(sid)
         cdef int l = self._check_layer(layer)
-        k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n")
+        # shapes and room first, then the copies (a huge broadcast view is
+        # refused for its size, not copied)
+        k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
         cdef int64_t n = cnp.PyArray_DIMS(k)[0]
-        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n")
+        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
         cdef _Plan p
         if l == 0:
             self.seqs.plan_grow(s, n, self.sink_tokens, self.window_tokens, &p)
             self.seqs.check_seq_bound(&p)
             self.seqs.check_free(p.new_blocks + p.cow, p.freed)
-            self.seqs.apply_grow(s, &p, n)
-            s.step_n = n
         else:
             self._check_layer_append(s, l, n)
             self.seqs.check_free(self.seqs.shared_in(s, s.segs.b1 - n, s.segs.b1), 0)
+        k = self._input(k, "k", n, self.num_kv_heads, self.head_dim, "n")
+        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n")
+        if l == 0:
+            self.seqs.apply_grow(s, &p, n)
+            s.step_n = n
+        else:
             self.seqs.make_private(s, s.segs.b1 - n, s.segs.b1)
         self._write(s, l, s.segs.b1 - n, n,
                     <const char *>cnp.PyArray_DATA(k), <const char *>cnp.PyArray_DATA(v))
