@@ -65,12 +65,15 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
     return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
 }
 
-/* Bytes of scratch one thread needs. */
+/* Bytes of scratch one thread needs.  The last region (kbuf) holds a block's
+ * keys rotated by RoPE (bs * d), or int8's run dequantized for RoPE, or its
+ * group-scaled weights of 4 rows (4 * bs * groups). */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
+    const size_t groups = (size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
            PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * bs * itemsize) +
-           PKV_ALIGN_UP(2 * (size_t)bs * d * itemsize) + PKV_ALIGN;
+           PKV_ALIGN_UP((2 * (size_t)bs * d + 4 * (size_t)bs * groups) * itemsize) + PKV_ALIGN;
 }
 
 #define PKV_CAT_(a, b) a##b

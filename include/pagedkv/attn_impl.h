@@ -8,9 +8,10 @@
  *   SGET(p)    one stored value at p -> T
  *   KFN(name)  name mangling per (storage, compute, ISA)
  *   PKV_STORE_IS_COMPUTE  1 when S is T (then attn_math.h's dot products serve)
- *   PKV_STORE_SCALED      1 for int8: each run is dequantized (value * its
- *              group's scale) into scratch and folded by the compute-type
- *              instance's functions, named by CFN(name)
+ *   PKV_STORE_SCALED      1 for int8: its own score and value loops read the
+ *              integers in place and apply each group's scale once per group;
+ *              the softmax (and, with RoPE, the scores over keys dequantized
+ *              into scratch) are the compute-type instance's, named CFN(name)
  *
  * A new storage format is a load vocabulary (SLOAD/SGET) plus an entry in
  * attention.h's instantiation list and dispatch table; nothing here changes.
@@ -40,6 +41,153 @@ static inline void KFN(dequant_run)(T *restrict dst, const S *restrict src,
         for (; i + W <= d; i += W) VSTORE(y + i, VMUL(SLOAD(x + i), VSET1((T)sc[i / PKV_I8_GROUP])));
         for (; i < d; i++) y[i] = SGET(x + i) * (T)sc[i / PKV_I8_GROUP];
     }
+}
+
+/* Scores of rows[0, na) of q (one head) against n stored int8 keys, read in
+ * place: per group of PKV_I8_GROUP dimensions the dot product with the raw
+ * integers, times that group's scale.  The K run spans [at, at + span) of the
+ * prefetch sequence. */
+static inline void KFN(i8_scores)(const T *restrict q, const int *rows, int na,
+                                  const S *restrict k, const float *restrict ksc, int n, int d,
+                                  T *restrict sbuf, pkv_prefetch *pf, size_t at, size_t span) {
+    const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
+    const size_t step = span / (size_t)n; /* bytes per key */
+    for (int j = 0; j < n; j++) {
+        pkv_pf_consumed(pf, at + step * (size_t)(j + 1));
+        const S *kj = k + (size_t)j * d;
+        const float *sj = ksc + (size_t)j * ngrp;
+        int a = 0;
+        for (; a + 4 <= na; a += 4) {
+            const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
+            const T *q2 = q + (size_t)rows[a + 2] * d, *q3 = q + (size_t)rows[a + 3] * d;
+            VEC t0 = VZERO(), t1 = VZERO(), t2 = VZERO(), t3 = VZERO();
+            T u0 = 0, u1 = 0, u2 = 0, u3 = 0; /* scalar tails */
+            for (int g = 0, i = 0; g < ngrp; g++) {
+                const int end = (g + 1) * PKV_I8_GROUP < d ? (g + 1) * PKV_I8_GROUP : d;
+                VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+                for (; i + W <= end; i += W) {
+                    const VEC x = SLOAD(kj + i);
+                    a0 = VFMA(VLOAD(q0 + i), x, a0);
+                    a1 = VFMA(VLOAD(q1 + i), x, a1);
+                    a2 = VFMA(VLOAD(q2 + i), x, a2);
+                    a3 = VFMA(VLOAD(q3 + i), x, a3);
+                }
+                const T sg = (T)sj[g];
+                const VEC vs = VSET1(sg);
+                t0 = VFMA(a0, vs, t0);
+                t1 = VFMA(a1, vs, t1);
+                t2 = VFMA(a2, vs, t2);
+                t3 = VFMA(a3, vs, t3);
+                for (; i < end; i++) {
+                    const T x = SGET(kj + i) * sg;
+                    u0 += q0[i] * x;
+                    u1 += q1[i] * x;
+                    u2 += q2[i] * x;
+                    u3 += q3[i] * x;
+                }
+            }
+            sbuf[(size_t)(a + 0) * n + j] = VREDUCE(t0) + u0;
+            sbuf[(size_t)(a + 1) * n + j] = VREDUCE(t1) + u1;
+            sbuf[(size_t)(a + 2) * n + j] = VREDUCE(t2) + u2;
+            sbuf[(size_t)(a + 3) * n + j] = VREDUCE(t3) + u3;
+        }
+        for (; a < na; a++) {
+            const T *q0 = q + (size_t)rows[a] * d;
+            VEC t0 = VZERO();
+            T u0 = 0;
+            for (int g = 0, i = 0; g < ngrp; g++) {
+                const int end = (g + 1) * PKV_I8_GROUP < d ? (g + 1) * PKV_I8_GROUP : d;
+                VEC a0 = VZERO();
+                for (; i + W <= end; i += W) a0 = VFMA(VLOAD(q0 + i), SLOAD(kj + i), a0);
+                const T sg = (T)sj[g];
+                t0 = VFMA(a0, VSET1(sg), t0);
+                for (; i < end; i++) u0 += q0[i] * (SGET(kj + i) * sg);
+            }
+            sbuf[(size_t)a * n + j] = VREDUCE(t0) + u0;
+        }
+    }
+    pkv_pf_consumed(pf, at + span);
+}
+
+/* acc rows (one head) = acc * alpha + P . V over n stored int8 values, read in
+ * place: the weights are scaled per group first (pw [rows][group][n] in
+ * scratch: p[j] * scale of value j's group), so the inner loop is the float
+ * one with a converting load. */
+static inline void KFN(i8_values)(T *restrict acc, const int *rows, int na, const T *restrict p,
+                                  const T *restrict alpha, const S *restrict v,
+                                  const float *restrict vsc, int n, int d, T *restrict pw,
+                                  pkv_prefetch *pf, size_t at, size_t span) {
+    const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
+    const size_t step = span / (size_t)d; /* bytes per dimension of the run */
+    for (int a = 0; a < na; a += 4) {
+        const int nr = na - a < 4 ? na - a : 4;
+        for (int r = 0; r < nr; r++)
+            for (int g = 0; g < ngrp; g++)
+                for (int j = 0; j < n; j++)
+                    pw[((size_t)r * ngrp + g) * n + j] =
+                        p[(size_t)(a + r) * n + j] * (T)vsc[(size_t)j * ngrp + g];
+        if (nr == 4) {
+            T *y0 = acc + (size_t)rows[a] * d, *y1 = acc + (size_t)rows[a + 1] * d;
+            T *y2 = acc + (size_t)rows[a + 2] * d, *y3 = acc + (size_t)rows[a + 3] * d;
+            const VEC al0 = VSET1(alpha[a]), al1 = VSET1(alpha[a + 1]);
+            const VEC al2 = VSET1(alpha[a + 2]), al3 = VSET1(alpha[a + 3]);
+            int i = 0;
+            for (; i + W <= d; i += W) {
+                if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(i + W));
+                const size_t g = (size_t)(i / PKV_I8_GROUP);
+                const T *p0 = pw + g * n, *p1 = pw + (ngrp + g) * n;
+                const T *p2 = pw + (2 * ngrp + g) * n, *p3 = pw + (3 * ngrp + g) * n;
+                VEC a0 = VMUL(VLOAD(y0 + i), al0), a1 = VMUL(VLOAD(y1 + i), al1);
+                VEC a2 = VMUL(VLOAD(y2 + i), al2), a3 = VMUL(VLOAD(y3 + i), al3);
+                for (int j = 0; j < n; j++) {
+                    const VEC x = SLOAD(v + (size_t)j * d + i);
+                    a0 = VFMA(VSET1(p0[j]), x, a0);
+                    a1 = VFMA(VSET1(p1[j]), x, a1);
+                    a2 = VFMA(VSET1(p2[j]), x, a2);
+                    a3 = VFMA(VSET1(p3[j]), x, a3);
+                }
+                VSTORE(y0 + i, a0);
+                VSTORE(y1 + i, a1);
+                VSTORE(y2 + i, a2);
+                VSTORE(y3 + i, a3);
+            }
+            for (; i < d; i++) {
+                const size_t g = (size_t)(i / PKV_I8_GROUP);
+                T b0 = y0[i] * alpha[a], b1 = y1[i] * alpha[a + 1];
+                T b2 = y2[i] * alpha[a + 2], b3 = y3[i] * alpha[a + 3];
+                for (int j = 0; j < n; j++) {
+                    const T x = SGET(v + (size_t)j * d + i);
+                    b0 += pw[g * n + j] * x;
+                    b1 += pw[(ngrp + g) * n + j] * x;
+                    b2 += pw[(2 * ngrp + g) * n + j] * x;
+                    b3 += pw[(3 * ngrp + g) * n + j] * x;
+                }
+                y0[i] = b0;
+                y1[i] = b1;
+                y2[i] = b2;
+                y3[i] = b3;
+            }
+        } else {
+            for (int r = 0; r < nr; r++) {
+                T *y = acc + (size_t)rows[a + r] * d;
+                const VEC al = VSET1(alpha[a + r]);
+                int i = 0;
+                for (; i + W <= d; i += W) {
+                    const T *pr = pw + ((size_t)r * ngrp + (size_t)(i / PKV_I8_GROUP)) * n;
+                    VEC b = VMUL(VLOAD(y + i), al);
+                    for (int j = 0; j < n; j++) b = VFMA(VSET1(pr[j]), SLOAD(v + (size_t)j * d + i), b);
+                    VSTORE(y + i, b);
+                }
+                for (; i < d; i++) {
+                    const T *pr = pw + ((size_t)r * ngrp + (size_t)(i / PKV_I8_GROUP)) * n;
+                    T b = y[i] * alpha[a + r];
+                    for (int j = 0; j < n; j++) b += pr[j] * SGET(v + (size_t)j * d + i);
+                    y[i] = b;
+                }
+            }
+        }
+    }
+    pkv_pf_consumed(pf, at + span);
 }
 #else
 
@@ -344,8 +492,10 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                 if (lim[i] >= rr) rows[na++] = i;
             if (na > 0) {
 #if PKV_STORE_SCALED
-                /* int8: each head's run is dequantized into scratch (L1), keys
-                 * rotated there, and folded by the compute-type phases.  The
+                /* int8: read in place, each group's scale applied to the
+                 * group's partial dot product (K) and folded into the
+                 * softmax weights (V); with RoPE each head's K run is
+                 * dequantized into scratch and rotated there first.  The
                  * cursor prefetches the values; the next block's scales are
                  * asked for here. */
                 if (bi + 1 < nblk) {
@@ -357,24 +507,27 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                 }
                 const size_t so = (size_t)table[bi] * bstride + (size_t)off * srow;
                 for (int hh = 0; hh < nh; hh++) {
-                    KFN(dequant_run)(kbuf, (const S *)(kb + base + hh * hstride),
-                                     (const float *)(ksc + so + hh * hscales), n, d);
-                    if (a->rope)
+                    const S *kp = (const S *)(kb + base + hh * hstride);
+                    const float *ks = (const float *)(ksc + so + hh * hscales);
+                    if (a->rope) {
+                        KFN(dequant_run)(kbuf, kp, ks, n, d);
                         for (int j = 0; j < n; j++)
                             FN(rope_one)(kbuf + (size_t)j * d, kbuf + (size_t)j * d, a->rope, rr + j, d);
-                    CFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kbuf, 1, n, d,
-                                    sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
+                        CFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kbuf, 1, n, d,
+                                        sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
+                    } else {
+                        KFN(i8_scores)(q + (size_t)hh * nqh * d, rows, na, kp, ks, n, d,
+                                       sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
+                    }
                 }
                 for (int hh = 0; hh < nh; hh++)
                     CFN(run_softmax)(sbuf + (size_t)hh * na * n, rows, na, lim, rr, n,
                                      m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
-                for (int hh = 0; hh < nh; hh++) {
-                    KFN(dequant_run)(kbuf, (const S *)(vb + base + hh * hstride),
-                                     (const float *)(vsc + so + hh * hscales), n, d);
-                    CFN(run_values)(acc + (size_t)hh * nqh * d, rows, na, sbuf + (size_t)hh * na * n,
-                                    alpha + hh * na, kbuf, n, d, &pf, at + run + hh * hstride,
-                                    hstride);
-                }
+                for (int hh = 0; hh < nh; hh++)
+                    KFN(i8_values)(acc + (size_t)hh * nqh * d, rows, na, sbuf + (size_t)hh * na * n,
+                                   alpha + hh * na, (const S *)(vb + base + hh * hstride),
+                                   (const float *)(vsc + so + hh * hscales), n, d, kbuf, &pf,
+                                   at + run + hh * hstride, hstride);
 #else
                 for (int hh = 0; hh < nh; hh++) {
                     const char *kp = kb + base + hh * hstride;

@@ -65,7 +65,7 @@
 #undef S
 
 /* int8 with a float32 scale per PKV_I8_GROUP values: SLOAD/SGET read the
- * raw integers, attn_impl.h dequantizes each run before folding it */
+ * raw integers, attn_impl.h applies the group scales */
 #define PKV_STORE_SCALED 1
 #define S int8_t
 #define SLOAD(p) LD_I8(p)
