@@ -88,7 +88,7 @@ def save(cache, sid, path) -> int:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(head)
-            f.write(memoryview(blocks).cast("B"))
+            f.write(memoryview(blocks.reshape(-1)))  # 1-D uint8: also when empty
             f.write(struct.pack("<I", crc))
             f.flush()
             os.fsync(f.fileno())

@@ -353,3 +353,27 @@ def check_pool_invariants(cache):
         stats = cache.stats()
         assert stats.blocks_free + stats.blocks_used == stats.blocks_total == cache.num_blocks
         assert stats.tokens_held == tokens
+        prefix = getattr(cache, "_prefix", None)
+        if prefix is not None:
+            check_prefix_index(cache, prefix, counts, stats)
+
+
+def check_prefix_index(cache, prefix, counts, stats):
+    """The prefix index against the pool (call with the cache's lock held).
+
+    A prefix index adds no references: a registered block whose last reference went stays on the
+    free queue, `cached`, until it is handed out again (counted above as free).  Here: the blocks
+    marked cached are exactly the blocks of the valid index entries, one entry per block; the
+    free ones among them are stats().cached_free_blocks; the index is keyed by each entry's own
+    hash and never holds more entries than the pool has blocks; the per-sequence state covers
+    exactly the live sequences (freeing and eviction release it)."""
+    pool = cache._core.pool
+    n = cache.num_blocks
+    cached = [b for b in range(n) if pool.is_cached(b, pool.generation(b))]
+    assert stats.cached_free_blocks == sum(1 for b in cached if counts[b] == 0), (
+        stats.cached_free_blocks, cached)
+    assert all(key == e.key for key, e in prefix._index.items())
+    valid = sorted(e.block for e in prefix._index.values() if prefix._valid(e))
+    assert valid == cached, f"valid index entries on blocks {valid}, cached blocks {cached}"
+    assert len(prefix._index) <= n, (len(prefix._index), n)
+    assert sorted(prefix._seqs) == sorted(cache.sequence_ids())

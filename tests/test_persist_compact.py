@@ -65,6 +65,26 @@ def test_save_load_round_trip_bit_for_bit(tmp_path, rng, dtype, length):
     assert dst.seq_len(new) == length + 2
 
 
+@pytest.mark.parametrize("how", ["new", "truncated"])
+def test_save_load_empty_sequence(tmp_path, rng, how):
+    # regression: saving a sequence that holds no block raised TypeError (a memoryview cast of
+    # the [0, bytes_per_block] payload); found by tests/test_state_machine_full.py
+    src = make()
+    sid = src.add_sequence(priority=1.5)
+    if how == "truncated":
+        fill(src, sid, 6, rng)
+        src.truncate(sid, 0)
+    nbytes = src.save(sid, tmp_path / "empty")
+    assert os.path.getsize(tmp_path / "empty") == nbytes
+    dst = make()
+    new = dst.load(tmp_path / "empty")
+    assert dst.seq_len(new) == 0 and dst.num_seq_blocks(new) == 0 and dst.priority(new) == 1.5
+    assert dst.kept_positions(new).tolist() == src.kept_positions(sid).tolist() == []
+    assert dst.num_free_blocks == dst.num_blocks
+    fill(dst, new, 5, rng)  # it lives on like any other
+    assert dst.kept_positions(new).tolist() == list(range(5))
+
+
 def test_save_load_streaming_keeps_kept_positions(tmp_path, rng):
     mk = lambda: make(streaming=pagedkv.StreamingLLM(2, 6), rope=pagedkv.RoPE(500.0))
     src = mk()
