@@ -346,6 +346,28 @@ def test_roll_back_into_the_head_and_recompute_keeps_the_chain_hit_able():
         np.testing.assert_array_equal(cache.gather(b, layer)[1], v[:10])
 
 
+def test_block_shared_at_truncate_then_written_in_place_is_no_longer_a_hit():
+    # regression: truncating into a registered block that another sequence shared left it
+    # registered (only a private block was forgotten); once the other sequence let go of it, the
+    # next append wrote into it in place and a hit on the old ids read the new token's K/V
+    # (found by tests/test_state_machine_full.py's model)
+    cache = make(num_blocks=8, block_size=2, layers=2)
+    p = [1, 2, 3, 4, 5]
+    w = cache.add_sequence(token_ids=p)
+    prefill(cache, w, p)                      # blocks (1, 2) (3, 4) registered
+    y = cache.fork(w)
+    cache.truncate(y, 3)                      # inside block 1, shared with w
+    cache.free(w)                             # y holds block 1 alone now
+    z = np.full((1, HKV, D), -99.0, np.float32)
+    for layer in range(2):
+        cache.append(y, z, z, layer=layer)    # in place, position 3 (ids unknown)
+    assert (cache.gather(y, 1)[0][3] == -99.0).all()
+    h = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(h) == 2              # block 1 holds other contents; before the fix 4
+    for layer in range(2):
+        np.testing.assert_array_equal(cache.gather(h, layer)[0], kv_for(p, layer)[0][:2])
+
+
 @pytest.mark.xfail(strict=True, reason="a second computation of a cached prefix chains to the "
                    "first's entries and is not registered itself: once the first copy's blocks "
                    "are handed out again, the live second copy is not hit-able")
