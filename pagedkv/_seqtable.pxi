@@ -389,6 +389,10 @@ cdef class SequenceTable:
         self.apply_drop(s, p, _TRIM_STREAMING)
         if p.cow:
             s.table[s.nblk - 1] = self.pool.copy_on_write(s.table[s.nblk - 1])
+        elif n > 0 and s.segs.b1 % self.block_size and self.pool.cached[s.table[s.nblk - 1]]:
+            # written in place into a block the prefix cache registered full: held partly
+            # again after a truncate while it was shared (so the truncate kept it cached)
+            self.pool.forget(s.table[s.nblk - 1])
         for i in range(p.new_blocks):
             s.table[s.nblk] = self.pool.take()
             s.nblk += 1

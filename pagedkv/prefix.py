@@ -13,8 +13,10 @@ and entered in an index ``hash -> _Entry``.  ``add_sequence(token_ids=...)``
 walks the prompt's chain through the index and starts the new sequence with
 the longest run of blocks found (copy-on-write, as ``fork`` shares).  A hit
 is verified, never trusted to the hash: the entry's token ids and salt must
-equal the prompt's and its parent must be the entry matched one block
-earlier (by identity), so a hash collision costs a miss, never another
+equal the prompt's and its parent chain must name the same ids and salts
+as the entries matched before it (``_same_prefix``: the same entry, or one
+registered separately for the same prefix, e.g. before a roll-back
+recomputed the head), so a hash collision costs a miss, never another
 prompt's K/V.  An entry is valid while its block's generation is the one
 recorded when it was registered: the pool bumps the generation each time it
 hands the block out again, so stale entries are recognised (and dropped) on
@@ -47,6 +49,17 @@ class _Entry:
         self.parent = parent    # the previous block's _Entry, None for the first
         self.tokens = tokens    # tuple of the block's token ids
         self.salt = salt
+
+
+def _same_prefix(a: Optional[_Entry], b: Optional[_Entry]) -> bool:
+    """Whether two parent entries stand for the same token ids and salts all the
+    way back to the first block (usually the same object; a prefix registered
+    twice, its head again after a roll-back, gives two)."""
+    while a is not b:
+        if a is None or b is None or a.tokens != b.tokens or a.salt != b.salt:
+            return False
+        a, b = a.parent, b.parent
+    return True
 
 
 class _SeqState:
@@ -115,7 +128,7 @@ class PrefixCache:
             if not self._valid(e):
                 del self._index[key]
                 break
-            if e.tokens != t or e.salt != salt or e.parent is not parent:
+            if e.tokens != t or e.salt != salt or not _same_prefix(e.parent, parent):
                 break  # a hash collision: a miss, never another prompt's K/V
             found.append(e)
             parent = e
@@ -178,7 +191,7 @@ class PrefixCache:
             key = self._hash(parent, t, st.salt)
             e = self._index.get(key)
             if e is not None and self._valid(e):
-                if e.tokens != t or e.salt != st.salt or e.parent is not parent:
+                if e.tokens != t or e.salt != st.salt or not _same_prefix(e.parent, parent):
                     return  # the key is taken by other contents (a collision): stop here
                 st.chain.append(e)  # the same contents are cached already (maybe elsewhere)
                 continue
