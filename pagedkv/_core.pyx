@@ -732,11 +732,13 @@ cdef class CacheCore:
             priority = float(meta.get("priority", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
+        # kept positions (slot + offset of its segment) must increase: the sinks before the window
         if not (0 <= a0 <= a1 <= b0 <= b1 and 0 <= nblk and _cdiv(b1, bs) == nblk
-                and 0 <= off0 < 2**62 and 0 <= off1 < 2**62):
+                and 0 <= off0 < 2**62 and 0 <= off1 < 2**62
+                and (a0 == a1 or a1 + off0 <= b0 + off1)):
             raise ValueError(
-                f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}), "
-                f"{nblk} blocks of {bs} tokens")
+                f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}) at "
+                f"offsets {off0}, {off1}, {nblk} blocks of {bs} tokens")
         if nblk > self.max_blocks_per_seq:
             raise ValueError(
                 f"the sequence holds {nblk} blocks; max_blocks_per_seq is {self.max_blocks_per_seq}")
@@ -802,9 +804,10 @@ cdef class CacheCore:
         """Return `a` as a C-contiguous array of the cache dtype and shape (d0, d1, d2).
 
         d0 < 0 accepts any leading size >= 1.  Other float dtypes are
-        converted, non-contiguous arrays copied; anything else raises.
-        convert=False: check only, and return the array as it is (the caller
-        checks sizes before paying for a copy, then calls _input again).
+        converted, non-contiguous arrays copied; anything else raises.  With
+        convert=False the checked array is returned as it is (_contiguous
+        converts it once the call is known to proceed: a leading size no
+        sequence can hold must not be copied first).
         """
         cdef cnp.ndarray arr
         cdef cnp.npy_intp *dims
@@ -830,9 +833,14 @@ cdef class CacheCore:
         dims = cnp.PyArray_DIMS(arr)
         if not ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1)) and dims[1] == d1 and dims[2] == d2):
             raise ValueError(f"{name} must have shape {want}, got {np.shape(arr)}")
-        if not convert:
-            return arr
-        return np.ascontiguousarray(arr, dtype=self.dtype)
+        return self._contiguous(arr) if convert else arr
+
+    cdef inline object _contiguous(self, object a):
+        """A checked input array as a C-contiguous array of the cache dtype."""
+        if (cnp.PyArray_TYPE(<cnp.ndarray>a) == self.typenum
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a)):
+            return a
+        return np.ascontiguousarray(a, dtype=self.dtype)
 
     cdef object _output(self, object out, int64_t n, int hq):
         cdef cnp.ndarray arr
@@ -850,8 +858,9 @@ cdef class CacheCore:
             raise ValueError("out must be C-contiguous, aligned and writable")
         return out
 
-    cdef object _query(self, object q, int64_t d0, str d0name, int *hq_out):
-        """q as a C-contiguous [d0, Hq, D] array of the cache dtype; Hq into hq_out."""
+    cdef object _query(self, object q, int64_t d0, str d0name, int *hq_out, bint convert=True):
+        """q as a C-contiguous [d0, Hq, D] array of the cache dtype; Hq into hq_out
+        (convert=False: checked, not converted; see _input)."""
         cdef int hq
         if not cnp.PyArray_Check(q):
             try:
@@ -869,7 +878,7 @@ cdef class CacheCore:
                 f"q has {hq} heads; the number of query heads must be a positive "
                 f"multiple of num_kv_heads={self.num_kv_heads}")
         hq_out[0] = hq
-        return self._input(q, "q", d0, hq, self.head_dim, d0name)
+        return self._input(q, "q", d0, hq, self.head_dim, d0name, convert)
 
     # ------------------------------------------------------------------
     # append
@@ -909,8 +918,8 @@ cdef class CacheCore:
     cdef object _append(self, object sid, object k, object v, object layer):
         cdef Seq *s = self._seq(sid)
         cdef int l = self._check_layer(layer)
-        # shapes and room first, then the copies (a huge broadcast view is
-        # refused for its size, not copied)
+        # shapes, then the plan's checks, then the conversions (which may copy): an n that
+        # cannot fit raises before a huge (e.g. broadcast) k or v is copied
         k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
         cdef int64_t n = cnp.PyArray_DIMS(k)[0]
         v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
@@ -922,8 +931,8 @@ cdef class CacheCore:
         else:
             self._check_layer_append(s, l, n)
             self.seqs.check_free(self.seqs.shared_in(s, s.segs.b1 - n, s.segs.b1), 0)
-        k = self._input(k, "k", n, self.num_kv_heads, self.head_dim, "n")
-        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n")
+        k = self._contiguous(k)
+        v = self._contiguous(v)
         if l == 0:
             self.seqs.apply_grow(s, &p, n)
             s.step_n = n
@@ -1074,10 +1083,11 @@ cdef class CacheCore:
         cdef Seq *s = self.seqs.lookup(sid)
         cdef int l = self._check_layer(layer)
         cdef int hq
-        q = self._query(q, -1, "n", &hq)
+        q = self._query(q, -1, "n", &hq, False)  # converted once n is known to be attendable
         cdef int64_t n = cnp.PyArray_DIMS(q)[0]
         cdef double sc = self._scale(scale)
         self._check_attendable(s, l, n)
+        q = self._contiguous(q)
         out = self._output(out, n, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)

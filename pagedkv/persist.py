@@ -23,7 +23,7 @@ becomes a prefix hit); ``"payload_bytes"`` = P.
 
 Saving writes a temporary file in the target's directory and renames it
 over the target (atomic on POSIX and Windows).  Loading reads and checks the
-whole file (magic, version, sizes, checksum, configuration) before the cache
+whole file (magic, version, sizes, checksum, header types, configuration) before the cache
 changes; a file that does not fit raises OutOfBlocksError and changes nothing.
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ import tempfile
 import zlib
 
 import numpy as np
+
+from pagedkv.eviction import check_priority
 
 MAGIC = b"PAGEDKV\x1a"
 VERSION = 1
@@ -82,7 +84,7 @@ def save(cache, sid, path) -> int:
     }, separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
     crc = zlib.crc32(blocks, zlib.crc32(head))
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))  # a bytes path too (mkstemp's dir= must match prefix=)
     fd, tmp = tempfile.mkstemp(prefix=".pagedkv-", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
@@ -123,10 +125,14 @@ def read(path):
         raise CacheFileError(f"{name}: checksum mismatch (truncated or corrupt file)")
     try:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen].decode())
-        payload_bytes = int(header["payload_bytes"])
-        header["config"], header["sequence"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, RecursionError) as e:
         raise CacheFileError(f"{name}: unreadable header ({e})") from None
+    if not (isinstance(header, dict) and isinstance(header.get("config"), dict)
+            and isinstance(header.get("sequence"), dict)
+            and type(header.get("payload_bytes")) is int and header["payload_bytes"] >= 0):
+        raise CacheFileError(f"{name}: unreadable header (config and sequence must be objects, "
+                             "payload_bytes an integer >= 0)")
+    payload_bytes = header["payload_bytes"]
     start = _PREFIX.size + hlen
     if start + payload_bytes + 4 != len(data):
         raise CacheFileError(f"{name}: {len(data) - start - 4} bytes of blocks, header says "
@@ -145,13 +151,19 @@ def load(cache, path, priority=None) -> int:
         raise ValueError(f"{os.fspath(path)} was saved from a cache with another "
                          "configuration: " + "; ".join(diff))
     meta = dict(header["sequence"])
-    try:
-        length = (int(meta["a1"]) - int(meta["a0"])) + (int(meta["b1"]) - int(meta["b0"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CacheFileError(f"{os.fspath(path)}: malformed sequence header ({e})") from None
-    if meta.get("length") != length:
-        raise CacheFileError(f"{os.fspath(path)}: sequence length {meta.get('length')!r} does "
+    bad = [k for k in ("nblk", "a0", "a1", "b0", "b1", "off0", "off1", "length")
+           if type(meta.get(k)) is not int]
+    if bad:
+        raise CacheFileError(f"{os.fspath(path)}: malformed sequence header ({', '.join(bad)}: "
+                             "missing or not integers)")
+    length = (meta["a1"] - meta["a0"]) + (meta["b1"] - meta["b0"])
+    if meta["length"] != length:
+        raise CacheFileError(f"{os.fspath(path)}: sequence length {meta['length']!r} does "
                              f"not match its segments ({length} tokens)")
+    try:
+        meta["priority"] = check_priority(meta.get("priority", 0.0))
+    except (TypeError, ValueError) as e:
+        raise CacheFileError(f"{os.fspath(path)}: malformed sequence header ({e})") from None
     if priority is not None:
         meta["priority"] = priority
     tokens = header.get("token_ids")

@@ -425,3 +425,36 @@ def test_auto_evict_never_evicts_for_a_sequence_larger_than_the_pool(batch):
     assert cache.sequence_ids() == [big, other]
     assert len(cache.eviction_log) == 0
     assert_unchanged(cache, before)
+
+
+def test_huge_broadcast_inputs_raise_before_being_copied():
+    """Found by the fuzzer: append converted k (and attend q) to contiguous arrays before
+    checking n against the sequence, so a broadcast view of 2**31 tokens was first copied
+    (gigabytes), then refused.  Now the checks come first and nothing is copied."""
+    cache = pagedkv.PagedKVCache(num_blocks=8, block_size=BS, num_kv_heads=HKV, head_dim=D,
+                                 num_layers=LAYERS)
+    sid = cache.add_sequence()
+    for layer in range(LAYERS):
+        cache.append(sid, tok(3), tok(3), layer=layer)
+    cache.append(sid, tok(2), tok(2))                     # a step: layer 1 must carry n=2
+    before = snapshot(cache, [sid], layers=range(LAYERS))
+
+    def huge(heads):
+        one = tok(1, heads)
+        return np.lib.stride_tricks.as_strided(one, [2**31, heads, D], [0] + list(one.strides[1:]))
+
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        cache.append(sid, huge(HKV), huge(HKV))
+    with pytest.raises(ValueError, match="v must have shape"):
+        cache.append(sid, huge(HKV), tok(2))
+    with pytest.raises(ValueError, match="n=2"):
+        cache.append(sid, huge(HKV), huge(HKV), layer=1)
+    with pytest.raises(ValueError, match="queries but the sequence holds only 5"):
+        cache.attend(sid, huge(HQ))
+    assert_unchanged(cache, before, layers=range(LAYERS))
+    # other float dtypes and non-contiguous inputs are still converted when the call proceeds
+    k = np.asfortranarray(np.arange(2 * HKV * D, dtype=np.float64).reshape(2, HKV, D))
+    cache.append(sid, k, k, layer=1)
+    np.testing.assert_array_equal(cache.gather(sid, 1)[0][3:], k.astype(np.float32))
+    q = np.asfortranarray(np.ones((2, HQ, D), np.float64))
+    np.testing.assert_array_equal(cache.attend(sid, q), cache.attend(sid, q.astype(F)))

@@ -209,6 +209,85 @@ def test_save_is_atomic_and_validates(tmp_path, rng, monkeypatch):
     assert path.read_bytes() == b"old contents"
 
 
+def test_save_empty_sequence_and_bytes_path(tmp_path):
+    """Found by the fuzzer: save() of a sequence holding no tokens raised TypeError (a
+    zero-size memoryview cast), and a bytes path raised TypeError from tempfile."""
+    src = make()
+    empty = src.add_sequence(priority=1.5)
+    path = os.fsencode(tmp_path / "empty")
+    assert src.save(empty, path) == os.path.getsize(path)
+    dst = make()
+    new = dst.load(path)
+    assert dst.seq_len(new) == 0 and dst.priority(new) == 1.5
+    assert os.listdir(tmp_path) == ["empty"]
+
+
+def forged(path, edit):
+    """The file at `path` with its header changed by edit(header) and a valid checksum."""
+    import json
+    import struct
+    import zlib
+    data = path.read_bytes()
+    _, version, hlen = persist._PREFIX.unpack_from(data)
+    header = json.loads(data[16:16 + hlen])
+    header = edit(header)
+    h = json.dumps(header).encode()
+    body = persist._PREFIX.pack(persist.MAGIC, version, len(h)) + h + data[16 + hlen:-4]
+    out = path.parent / "forged"
+    out.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    return out
+
+
+def _set(part, key, value):
+    def edit(header):
+        if part is None:
+            header[key] = value
+        else:
+            header[part][key] = value
+        return header
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: [h],                                     # the header not an object
+    _set(None, "config", [1, 2]),                      # AttributeError before
+    _set(None, "config", None),
+    _set(None, "sequence", 5),                         # TypeError before
+    _set(None, "sequence", None),
+    _set(None, "sequence", [1, 2]),
+    _set(None, "payload_bytes", float("inf")),         # OverflowError before
+    _set(None, "payload_bytes", 1.0e3),
+    _set("sequence", "b1", float("inf")),              # OverflowError before
+    _set("sequence", "nblk", float("inf")),
+    _set("sequence", "off1", 2.5),
+    _set("sequence", "length", True),
+    _set("sequence", "priority", float("nan")),        # loaded with a NaN priority before
+    _set("sequence", "priority", float("inf")),
+    _set("sequence", "priority", -float("inf")),
+    _set("sequence", "priority", "1"),
+])
+def test_forged_headers_raise_cache_file_error_and_change_nothing(saved, edit):
+    """Found by the fuzzer: a header rewritten with a valid checksum raised AttributeError,
+    TypeError or OverflowError, or loaded a sequence with a non-finite priority."""
+    with pytest.raises(pagedkv.CacheFileError):
+        loaded_into_fresh(forged(saved, edit))
+
+
+@pytest.mark.parametrize("seq", [
+    dict(a0=0, a1=2, b0=2, b1=9, off0=5, off1=0),      # window positions before the sinks'
+    dict(a0=0, a1=2, b0=4, b1=9, off0=3, off1=0),      # the last sink at 4, the window from 4
+    dict(a0=0, a1=2, b0=2, b1=2, off0=9, off1=0),      # sinks only, the next token before them
+])
+def test_load_rejects_kept_positions_that_do_not_increase(saved, seq):
+    """Found by the fuzzer: offsets that made the kept positions repeat or go back loaded."""
+    def edit(header):
+        s = header["sequence"]
+        s.update(seq, nblk=-(-seq["b1"] // 4), length=seq["a1"] - seq["a0"] + seq["b1"] - seq["b0"])
+        return header
+    with pytest.raises(ValueError, match="inconsistent sequence metadata"):
+        loaded_into_fresh(forged(saved, edit))
+
+
 # ----------------------------------------------------------------------
 # compaction and resize
 

@@ -1,21 +1,52 @@
 """Decode bytes into a hostile program over one PagedKVCache and run it.
 
-Shared by the atheris harness (tests/fuzz/fuzz_cache.py, coverage-guided, against the sanitizer
-build) and by tests/test_fuzz_programs.py (saved regressions plus random byte strings, in every
-test run).  A program builds a small cache from the bytes, then runs up to MAX_OPS public calls
-with arguments that are often wrong: ids live / freed / huge / negative / float / bool / None,
-arrays of the wrong dtype, ndim, shape, strides, alignment, writability, zero length or huge
-broadcast length, NaN / inf data, hostile layers, scales, sizes and out= arrays.
+Shared by the atheris harness (tests/fuzz/fuzz_cache.py, coverage-guided over the in-place build;
+tools/fuzz.sh --replay runs what it kept under the sanitizer build) and by
+tests/test_fuzz_programs.py (saved regressions plus random byte strings, in every test run).  A
+program builds a small cache from the bytes (storage kv_dtype, prefix caching, StreamingLLM, RoPE,
+automatic eviction: each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
+arguments that are often wrong: ids live / freed / huge / negative / float / bool / None, arrays
+of the wrong dtype, ndim, shape, strides, alignment, writability, zero length or huge broadcast
+length, NaN / inf data, hostile layers, scales, sizes and out= arrays, token ids and cache salts
+of the wrong length, type or size, save / load paths of every kind, files truncated, bit-flipped,
+foreign or forged (a rewritten header with a valid checksum), hostile compact / resize sizes.
+
+Documented exceptions (anything else raised by a call is a failure):
+  * every call: KeyError (unknown or freed id), ValueError (a bad value; CacheFileError is one),
+    TypeError (an argument of the wrong type), RuntimeError (max_seqs, a layer whose newest tokens
+    are missing), MemoryError (OutOfBlocksError is one; an absurd size);
+  * save: OSError as well, when the program gives it a directory or a path in a missing
+    directory;
+  * load of a file (a real path, priority None or a number): only ValueError (CacheFileError for
+    a foreign, truncated or corrupt file, ValueError for another configuration), RuntimeError
+    (max_seqs) and MemoryError (OutOfBlocksError); TypeError only for a path or priority of the
+    wrong type, OSError only for a missing path or a directory.
 
 What counts as a failure (raised out of run_program):
-  * an exception other than the documented ones (ALLOWED),
-  * a call that raised but changed the cache (lengths, free blocks, stored K/V),
-  * a broken block accounting after any call (reference.check_pool_invariants),
+  * an exception other than the documented ones,
+  * a call that raised but changed the cache (lengths, kept positions, priorities, stored K/V,
+    free blocks, block generations and cached marks, the valid prefix-index entries and what the
+    prefix cache knows of each sequence), or a save that raised and changed its target file,
+  * a successful read-only call (attend, gather, queries, save) that changed the cache, a compact
+    or resize that changed any sequence's contents or dropped a valid prefix entry of a used
+    block, a compact that left a used block above the used count, a loaded file (unmodified)
+    whose sequence differs from the saved one,
+  * a broken block accounting after any call (reference.check_pool_invariants) or broken state
+    (check_state: kept positions, finite priorities, cached-free count, the prefix index and
+    chains, registered blocks whose bytes changed),
   * and, under the sanitizers, any memory or undefined-behaviour error (the process aborts).
 """
+import atexit
 import collections
+import json
+import math
 import os
+import pathlib
+import shutil
+import struct
 import sys
+import tempfile
+import zlib
 
 import numpy as np
 
@@ -25,11 +56,16 @@ import pagedkv  # noqa: E402
 from reference import check_pool_invariants  # noqa: E402
 
 ALLOWED = (KeyError, ValueError, TypeError, RuntimeError, MemoryError)
+#: load of a real file with a valid priority: a file's contents may only raise these
+LOAD_ALLOWED = (ValueError, RuntimeError, MemoryError)
 MAX_OPS = 32
 # weighted: sequences must live long enough to be appended to and attended over
 OPS = (["add"] * 3 + ["append"] * 5 + ["append_batch"] * 2 + ["attend"] * 2
        + ["attend_batch"] * 2 + ["gather", "fork", "truncate", "free", "streaming", "evict",
-                                 "threshold", "priority", "query", "auto"])
+                                 "threshold", "priority", "query", "auto"]
+       + ["save"] * 2 + ["load"] * 3 + ["compact", "resize"] + ["step"] * 4)
+#: calls that must leave the cache as it was when they succeed
+READ_ONLY = {"attend", "attend_batch", "gather", "query", "save"}
 #: (operation, "ok" or the exception's name) -> calls, over every program run in this process
 OUTCOMES = collections.Counter()
 
@@ -117,7 +153,7 @@ def _array(b: Bytes, n, heads, d, dtype):
         shape = [max(0, s) for s in shape]
     if b.chance(20):
         dtype = b.pick([np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_,
-                        np.complex64, np.uint8, object])
+                        np.complex64, np.uint8, object, np.dtype(">f4"), np.dtype(">f8")])
     layout = b.int(0, 9) if b.chance(40) else 0
     if layout == 1 and len(shape) == 3 and shape[0] > 0:  # huge broadcast view (tiny memory)
         base = _data(b, [1] + shape[1:], dtype)
@@ -147,6 +183,132 @@ def _array(b: Bytes, n, heads, d, dtype):
     return a
 
 
+# ----------------------------------------------------------------------
+# token ids, cache salts (prefix caching)
+
+SALTS = [None, None, None, "tenant-a", 7, (1, "b"), -0.0]
+
+
+def _stream_token(j, p):
+    """Token id at stream position p of token stream j.  Streams 0-2 share a prefix of
+    different lengths (so prompts hit each other's blocks); stream 3 holds ids >= 2**63 (uint64)."""
+    if j == 3:
+        return 2**63 + p
+    split = (10**9, 9, 4)[j]
+    return p % 97 if p < split else (p * 31 + j * 1000003) % 2**31
+
+
+def _hostile_ids(b: Bytes, good):
+    """Token ids for `good` (a list of ints), often wrong in length, type or size."""
+    if b.chance(200):
+        return good
+    n = len(good)
+    how = b.int(0, 17)
+    if how == 0:
+        return good[:-1]
+    if how == 1:
+        return good + [1]
+    if how == 2:
+        return []
+    if how == 3:
+        return [float(t) for t in good]
+    if how == 4:
+        return [str(t) for t in good]
+    if how == 5:
+        return [True] * n
+    if how == 6:
+        return np.array(good, dtype=np.float64)
+    if how == 7:
+        return np.array([good])  # 2-d
+    if how == 8:
+        return b.pick([5, "abc", b"ab", 1.5, {1: 2}, {1, 2}, object()])
+    if how == 9:
+        return [2**64] * n
+    if how == 10:
+        return [-2**70] * n
+    if how == 11:
+        return [-1] * n + ([2**63] if n else [])  # int64 and uint64 mixed: float64 in NumPy
+    if how == 12:
+        return np.array([t % 256 for t in good], dtype=np.uint8)
+    if how == 13:
+        return [None] * n
+    if how == 14:
+        return (t for t in good)
+    if how == 15:
+        return np.array(good, dtype=object)
+    if how == 16:
+        return [np.int64(t % 2**62) for t in good]
+    return [[t] for t in good]
+
+
+# ----------------------------------------------------------------------
+# files (save / load)
+
+_TMP = None
+_PREFIX = struct.Struct("<8sII")
+
+
+def _tmpdir():
+    """One scratch directory per process (emptied at the start of every program)."""
+    global _TMP
+    if _TMP is None:
+        _TMP = tempfile.mkdtemp(prefix="pagedkv-fuzz-")
+        os.mkdir(os.path.join(_TMP, "d"))
+        atexit.register(shutil.rmtree, _TMP, True)
+    return _TMP
+
+
+def _clear_tmpdir():
+    if _TMP is not None:
+        for name in os.listdir(_TMP):
+            if name != "d":
+                os.unlink(os.path.join(_TMP, name))
+
+
+def _split(data):
+    """(version, header, payload) of a file whose header parses, else None."""
+    if len(data) < _PREFIX.size + 4:
+        return None
+    magic, version, hlen = _PREFIX.unpack_from(data)
+    if magic != pagedkv.persist.MAGIC or _PREFIX.size + hlen + 4 > len(data):
+        return None
+    try:
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen].decode())
+    except ValueError:
+        return None
+    return version, header, data[_PREFIX.size + hlen:-4]
+
+
+def _pack(version, header, payload, crc_ok=True, hlen_delta=0):
+    """A file with a valid checksum (unless crc_ok is False)."""
+    h = json.dumps(header, separators=(",", ":")).encode()
+    body = _PREFIX.pack(pagedkv.persist.MAGIC, version, max(0, len(h) + hlen_delta)) + h + payload
+    return body + struct.pack("<I", zlib.crc32(body) ^ (0 if crc_ok else 1))
+
+
+_JSON_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**62, 2**63, 2**64, 10**30, -2**63, 1.5,
+                -0.0, math.nan, math.inf, -math.inf, "", "x", "float32", "int8", [], [1, 2], {},
+                {"a": 1}]
+
+
+def _json_value(b: Bytes, old):
+    """A JSON value to put in place of `old`: near it, of another kind, or absurd."""
+    if isinstance(old, int) and not isinstance(old, bool) and b.chance(110):
+        return old + b.pick([-1, 1, 2, -2, 64, old, -old - 1])
+    if isinstance(old, str) and b.chance(80):
+        return b.pick(["float32", "float64", "bfloat16", "float16", "int8", "little", "big"])
+    if isinstance(old, dict) and old and b.chance(128):
+        new = dict(old)
+        key = b.pick(sorted(new))
+        new[key] = _json_value(b, new[key])
+        return new
+    return b.pick(_JSON_VALUES)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 class Runner:
     def __init__(self, b: Bytes):
         self.b = b
@@ -159,9 +321,19 @@ class Runner:
         kw = dict(num_blocks=b.int(1, 12), block_size=self.bs, num_kv_heads=self.hkv,
                   head_dim=self.d, num_layers=self.layers, dtype=self.dtype,
                   max_seqs=b.int(1, 5))
-        if b.chance(60):
+        if b.chance(160):
+            kw["kv_dtype"] = (b.pick([None, "float32", "float64", "bfloat16", "float16", "int8",
+                                      "int8", np.float16, np.dtype(self.dtype)])
+                              if b.chance(230) else
+                              b.pick(["int4", "float8", "bf16", "INT8", "", 3, object, np.int8,
+                                      np.complex64, b"int8", ["int8"]]))
+        self.prefix = b.chance(100)
+        if self.prefix:
+            kw["prefix_caching"] = True if b.chance(230) else b.pick([np.bool_(True), 1, "yes",
+                                                                      None])
+        if b.chance(10 if self.prefix else 60):
             kw["max_blocks_per_seq"] = b.int(1, 6)
-        if b.chance(60):
+        if b.chance(8 if self.prefix else 60):
             kw["streaming"] = pagedkv.StreamingLLM(sink_tokens=b.int(0, 4),
                                                    window_tokens=b.int(1, 8))
         if b.chance(50) and self.d % 2 == 0:
@@ -171,25 +343,116 @@ class Runner:
             kw["eviction_strategy"] = b.pick(["lru", "lfu", "longest", "priority"])
         self.cache = pagedkv.PagedKVCache(**kw)
         self.live, self.freed = [], []
+        self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
+        self.saved = {}         # path -> (file bytes, the saved sequence's contents)
+        self.block_bytes = {}   # (block, generation) -> bytes of a registered block, when seen
+        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
+        _clear_tmpdir()
 
     # ------------------------------------------------------------------
+    # state
+
     def snapshot(self):
+        """What a failing call must leave as it was: {part: value}."""
         c = self.cache
-        state = [c.num_free_blocks]
+        core, pool = c._core, c._core.pool
+        seqs = []
         for sid in c.sequence_ids():
             data = [c.gather(sid, layer) for layer in range(self.layers)]
-            state.append((sid, c.seq_len(sid), c.kept_positions(sid).tobytes(),
-                          [(k.tobytes(), v.tobytes()) for k, v in data]))
+            seqs.append((sid, c.seq_len(sid), c.kept_positions(sid).tobytes(), c.priority(sid),
+                         [(k.tobytes(), v.tobytes()) for k, v in data]))
+        blocks = [(pool.generation(b), pool.is_cached(b, pool.generation(b)), core.ref_count(b))
+                  for b in range(c.num_blocks)]
+        state = {"seqs": seqs, "pool": (c.num_blocks, c.num_free_blocks, blocks,
+                                        pool.num_cached_free)}
+        p = c._prefix
+        if p is not None:
+            state["index"] = sorted((k, e.block, e.gen, e.tokens, repr(e.salt))
+                                    for k, e in p._index.items() if p._valid(e))
+            state["prefix_seqs"] = sorted((sid, list(st.tokens), [e.key for e in st.chain])
+                                          for sid, st in p._seqs.items())
+            state["counts"] = p.counts()
         return state
+
+    def used_entries(self):
+        """Keys of the valid prefix-index entries whose block is in use."""
+        p, core = self.cache._prefix, self.cache._core
+        if p is None:
+            return set()
+        return {k for k, e in p._index.items() if p._valid(e) and core.ref_count(e.block) > 0}
+
+    def check_state(self):
+        """Invariants beyond the block accounting (reference.check_pool_invariants)."""
+        c = self.cache
+        core, pool = c._core, c._core.pool
+        for sid in c.sequence_ids():
+            g = core.debug_state(sid)
+            assert 0 <= g["a0"] <= g["a1"] <= g["b0"] <= g["b1"], g
+            assert g["a0"] == g["a1"] or g["a1"] + g["off0"] <= g["b0"] + g["off1"], g
+            kept = c.kept_positions(sid)
+            assert len(kept) == c.seq_len(sid), (sid, len(kept), c.seq_len(sid))
+            assert kept.size == 0 or (kept[0] >= 0 and (np.diff(kept) > 0).all()), kept
+            pr = c.priority(sid)
+            assert math.isfinite(pr), f"sequence {sid} has priority {pr}"
+        cached_free = sum(1 for b in range(c.num_blocks)
+                          if core.ref_count(b) == 0 and pool.is_cached(b, pool.generation(b)))
+        assert pool.num_cached_free == cached_free, (pool.num_cached_free, cached_free)
+        p = c._prefix
+        if p is None:
+            return
+        valid_on = {}
+        for key, e in p._index.items():
+            assert e.key == key
+            if p._valid(e):
+                assert 0 <= e.block < c.num_blocks and len(e.tokens) == self.bs
+                assert valid_on.setdefault(e.block, e) is e, f"block {e.block}: two valid entries"
+        assert len(p._index) <= c.num_blocks, (len(p._index), c.num_blocks)
+        assert sorted(p._seqs) == sorted(c.sequence_ids()), (sorted(p._seqs), c.sequence_ids())
+        bs = self.bs
+        for sid, st in p._seqs.items():
+            assert len(st.chain) * bs <= c.seq_len(sid), (sid, len(st.chain), c.seq_len(sid))
+            for i, e in enumerate(st.chain):
+                assert e.tokens == tuple(st.tokens[i * bs:(i + 1) * bs]), (sid, i)
+                assert e.parent is (st.chain[i - 1] if i else None), (sid, i)
+                assert e.salt is st.salt or e.salt == st.salt, (sid, i)
+        # a registered block's bytes never change while its entry is valid
+        for sid in c.sequence_ids():
+            table = c.block_table(sid).tolist()
+            if not any(b in valid_on for b in table):
+                continue
+            try:
+                _, data = core.export_seq(sid)
+            except ValueError:
+                continue  # in the middle of a step
+            for i, blk in enumerate(table):
+                if blk in valid_on:
+                    raw = data[i].tobytes()
+                    seen = self.block_bytes.setdefault((blk, pool.generation(blk)), raw)
+                    assert seen == raw, f"registered block {blk} changed in place"
 
     def ids(self):
         self.live = self.cache.sequence_ids()
 
+    # ------------------------------------------------------------------
+    # the next call
+
     def op(self):
-        """(name, call) of the next operation."""
+        """(name, call) of the next operation; sets self.allowed (the exceptions it may raise)
+        and self.on_fail (a check after it raised, or None)."""
         b = self.b
         name = b.pick(OPS)
+        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
         return name, self._call(name)
+
+    def _tokens(self, sid, n, start=None):
+        """The token ids of the next n tokens of `sid` (its stream, from its length on)."""
+        j = self.stream.get(sid, 0) if type(sid) is int else 0
+        if start is None:
+            try:
+                start = self.cache.seq_len(sid)
+            except Exception:
+                start = 0
+        return [_stream_token(j, p) for p in range(start, start + n)]
 
     def _call(self, name):
         b, c = self.b, self.cache
@@ -199,12 +462,17 @@ class Runner:
         hq = self.hkv * self.g
         dt = np.dtype(self.dtype).type
         if name == "add":
-            p = 0 if b.chance(200) else b.pick([1.5, -3, float("nan"), "x", float("inf"),
-                                                 10**400, None])
-            return lambda: c.add_sequence(priority=p)
+            return self._add()
+        if name == "step":
+            return self._step(sid, n)
         if name == "append":
             k = _array(b, n, self.hkv, self.d, dt)
             v = _array(b, n, self.hkv, self.d, dt) if b.chance(200) else k
+            if layer != 0:
+                self.rewrites = (sid,)
+            if self.prefix and b.chance(200) or b.chance(6):
+                ids = _hostile_ids(b, self._tokens(sid, n))
+                return lambda: c.append(sid, k, v, layer=layer, token_ids=ids)
             return lambda: c.append(sid, k, v, layer=layer)
         if name in ("append_batch", "attend_batch"):
             sids = [_sid(b, self.live, self.freed) for _ in range(b.int(0, 4))]
@@ -214,6 +482,13 @@ class Runner:
             B = len(sids) if hasattr(sids, "__len__") else 1
             if name == "append_batch":
                 k = _array(b, B, self.hkv, self.d, dt)
+                if layer != 0 and isinstance(sids, (list, tuple, np.ndarray)):
+                    self.rewrites = tuple(sids)
+                if self.prefix and b.chance(160) or b.chance(6):
+                    good = ([self._tokens(s, 1)[0] for s in sids]
+                            if isinstance(sids, (list, tuple, np.ndarray)) else [0] * B)
+                    ids = _hostile_ids(b, good)
+                    return lambda: c.append_batch(sids, k, k, layer=layer, token_ids=ids)
                 return lambda: c.append_batch(sids, k, k, layer=layer)
             q = _array(b, B, hq, self.d, dt)
             out = self._out(B, hq)
@@ -226,7 +501,7 @@ class Runner:
         if name == "gather":
             return lambda: c.gather(sid, layer=layer)
         if name == "fork":
-            return lambda: c.fork(sid)
+            return lambda: self.stream.__setitem__(c.fork(sid), self.stream.get(sid, 0))
         if name == "truncate":
             length = _hostile_int(b, b.int(0, 3 * self.bs))
             return lambda: c.truncate(sid, length)
@@ -248,11 +523,330 @@ class Runner:
             f = b.pick([c.seq_len, c.kept_positions, c.sequence_info, c.num_seq_blocks,
                         c.block_table, c.priority, lambda s: s in c])
             return lambda: (f(sid), c.stats(), repr(c), c.eviction_order())
+        if name == "save":
+            return self._save(sid)
+        if name == "load":
+            return self._load()
+        if name == "compact":
+            return self._compact()
+        if name == "resize":
+            return self._resize()
         on = b.chance(128)
 
         def auto():
             c.auto_evict = on
         return auto
+
+    def _step(self, sid, n):
+        """A well-formed append on every layer (token ids from the sequence's stream): drives
+        sequences to full, registered blocks.  Each layer's append is checked on its own."""
+        b, c = self.b, self.cache
+        k = _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
+        v = k if b.chance(128) else _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
+        ids = self._tokens(sid, n) if self.prefix else None
+
+        def step():
+            for layer in range(self.layers):
+                if layer:
+                    self.before = self.snapshot()  # a failure here must undo only this layer
+                c.append(sid, k, v, layer=layer, token_ids=ids if layer == 0 else None)
+        return step
+
+    def _add(self):
+        b, c = self.b, self.cache
+        p = 0 if b.chance(200) else b.pick([1.5, -3, float("nan"), "x", float("inf"),
+                                             10**400, None])
+        # 0-1: no token ids; 2-3: a prompt and a salt; 4: a prompt only; 5: a salt only;
+        # 6: hostile token ids; 7: an unhashable salt (without prefix caching: TypeError)
+        how = b.int(0, 7) if self.prefix or b.chance(12) else 0
+        if how <= 1:
+            return lambda: c.add_sequence(priority=p)
+        j = b.int(0, 3)
+        good = [_stream_token(j, i) for i in range(b.int(0, 4 * self.bs + 2))]
+        ids = _hostile_ids(b, good) if how == 6 else good
+        salt = b.pick(SALTS)
+        if how == 7:
+            salt = b.pick([[1], {"a": 1}, np.zeros(2), {1}, bytearray(b"s")])
+        kw = {}
+        if how != 5:
+            kw["token_ids"] = ids
+        if how != 4:
+            kw["cache_salt"] = salt
+
+        def add():
+            self.stream[c.add_sequence(priority=p, **kw)] = j
+        return add
+
+    def _save(self, sid):
+        b, c = self.b, self.cache
+        tmp = _tmpdir()
+        slot = os.path.join(tmp, f"s{b.int(0, 3)}")
+        how = b.int(0, 15)
+        bad_type = type(sid) not in (int, np.int32, np.int64, np.uint8)
+        if how < 10:
+            path = slot
+        elif how == 10:
+            path = pathlib.Path(slot)
+        elif how == 11:
+            path = os.fsencode(slot)
+        elif how == 12:
+            path, self.allowed = os.path.join(tmp, "d"), ALLOWED + (OSError,)
+        elif how == 13:
+            path, self.allowed = os.path.join(tmp, "nodir", "f"), ALLOWED + (OSError,)
+        else:
+            path, bad_type = b.pick([None, 3, 1.5, ["p"]]), True
+        if self.allowed is ALLOWED:
+            self.allowed = (KeyError, ValueError, RuntimeError, MemoryError) + (
+                (TypeError,) if bad_type else ())
+        target = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+        before = None
+        if target is not None and os.path.isfile(target):
+            with open(target, "rb") as f:
+                before = f.read()
+        self.on_fail = lambda: self._save_failed(target, before)
+
+        def save():
+            written = c.save(sid, path)
+            with open(target, "rb") as f:
+                data = f.read()
+            assert written == len(data), (written, len(data))
+            self.saved[target] = (data, self.seq_contents(sid))
+        return save
+
+    def _save_failed(self, target, before):
+        """A save that raised leaves its target as it was and no temporary file."""
+        if target is not None and before is not None:
+            with open(target, "rb") as f:
+                assert f.read() == before, "a save that raised changed its target"
+        stray = [f for f in os.listdir(_tmpdir()) if f.endswith(".tmp")]
+        assert not stray, f"a save that raised left {stray}"
+
+    def seq_contents(self, sid):
+        c = self.cache
+        data = [c.gather(sid, layer) for layer in range(self.layers)]
+        tokens = c._prefix.tokens_of(sid) if c._prefix is not None else None
+        return (c.seq_len(sid), c.kept_positions(sid).tobytes(), c.priority(sid),
+                [(k.tobytes(), v.tobytes()) for k, v in data], tokens)
+
+    def _load(self):
+        b, c = self.b, self.cache
+        tmp = _tmpdir()
+        path = os.path.join(tmp, "in")
+        prio = None if b.chance(220) else b.pick([0.5, -3, float("nan"), float("inf"), "x",
+                                                  10**400, True, np.float32(2)])
+        bad_type = isinstance(prio, (bool, str))  # TypeError allowed
+        bad_path = False  # OSError allowed
+        saved = sorted(self.saved)
+        src = b.pick(saved) if saved and b.chance(200) else None
+        data, expect = self.saved[src] if src is not None else (self._fresh_file(), None)
+        how = b.int(0, 15)
+        if how <= 3:
+            pass  # as saved (or a fresh forged file)
+        elif how == 4:
+            data, expect = data[:b.int(0, max(0, len(data) - 1))], None
+        elif how == 5:
+            data = bytearray(data)
+            for _ in range(b.int(1, 3)):
+                data[b.int(0, len(data) - 1)] ^= 1 << b.int(0, 7)
+            data, expect = bytes(data), None
+        elif how == 6:
+            data, expect = b.pick([data + b"\0", b"\0" + data, data[:8] + data]), None
+        elif how == 7:
+            rng = np.random.default_rng(b.byte())
+            data, expect = b.pick([
+                b"", b"GGUF" + data[4:], data[:8] + b"\x02\0\0\0" + data[12:],
+                rng.integers(0, 256, b.int(0, 300), dtype=np.uint8).tobytes(),
+                pagedkv.persist.MAGIC + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
+                json.dumps({"config": {}}).encode()]), None
+        elif how <= 13:
+            data, expect = self._forge(data), None
+        else:
+            expect = None
+            k = b.int(0, 5)
+            path = [os.path.join(tmp, "missing"), os.path.join(tmp, "d"), None, 3,
+                    os.fsencode(path), pathlib.Path(path)][k]
+            bad_path, bad_type = k < 2, bad_type or k in (2, 3)
+        with open(os.path.join(tmp, "in"), "wb") as f:
+            f.write(data)
+        self.allowed = (LOAD_ALLOWED + ((TypeError,) if bad_type else ())
+                        + ((OSError,) if bad_path else ()))
+
+        def load():
+            sid = c.load(path, priority=prio)
+            if expect is not None:
+                got = self.seq_contents(sid)
+                if prio is not None:
+                    expect_p = expect[:2] + (float(prio),) + expect[3:]
+                else:
+                    expect_p = expect
+                if c._prefix is None:
+                    got, expect_p = got[:4], expect_p[:4]
+                assert got == expect_p, "a loaded sequence differs from the saved one"
+        return load
+
+    def _fresh_file(self):
+        """A sequence file for this cache's configuration, made here (so programs load and
+        forge files without saving first)."""
+        c = self.cache
+        header = {"config": pagedkv.persist.config_of(c),
+                  "sequence": dict(nblk=0, a0=0, a1=0, b0=0, b1=0, off0=0, off1=0,
+                                   priority=0.0, length=0),
+                  "token_ids": [] if c._prefix is not None else None, "payload_bytes": 0}
+        return _pack(pagedkv.persist.VERSION, header, b"")
+
+    def _forge(self, data):
+        """`data` with its header rewritten (usually with a valid checksum)."""
+        b = self.b
+        parts = _split(data)
+        if parts is None:
+            parts = _split(self._fresh_file())
+        version, header, payload = parts
+        hlen_delta = 0
+        if not isinstance(header, dict):
+            header = {"x": header}
+        cfg, seq = header.get("config"), header.get("sequence")
+        how = b.int(0, 9)
+        if how == 0 and isinstance(cfg, dict) and cfg:
+            key = b.pick(sorted(cfg))
+            cfg[key] = _json_value(b, cfg[key])
+        elif how == 1 and isinstance(seq, dict) and seq:
+            key = b.pick(sorted(seq))
+            seq[key] = _json_value(b, seq[key])
+        elif how == 2:
+            length = seq.get("length") if isinstance(seq, dict) else 0
+            length = length if type(length) is int and 0 <= length < 4096 else 3
+            good = [_stream_token(0, i) for i in range(length)]
+            header["token_ids"] = b.pick([None, good, good[:-1], good + [0], [1.5] * length,
+                                          ["a"] * length, [True] * length, [2**70] * length,
+                                          [-1] * length, [[1]] * length, "abc", {}, 3])
+        elif how == 3:
+            header["payload_bytes"] = _json_value(b, header.get("payload_bytes"))
+        elif how == 4:
+            header = b.pick([None, [], [header], 3, "x", {}, 1.5])
+        elif how == 5:
+            header[b.pick(["config", "sequence"])] = b.pick([None, [], [1, 2], "ab", 3, {},
+                                                             [["a", 1]], [["nblk", 1]]])
+        elif how == 6:
+            where = b.pick([header, cfg, seq])
+            if isinstance(where, dict) and where:
+                del where[b.pick(sorted(where))]
+        elif how == 7 or how == 8:
+            payload = self._reshape(header, payload)
+        elif b.chance(128):
+            payload = payload[:b.int(0, len(payload))] if b.chance(128) else payload + bytes(
+                b.int(1, 128))
+            if b.chance(200):
+                header["payload_bytes"] = len(payload)
+        else:
+            version = b.pick([0, 2, 2**32 - 1, version])
+            hlen_delta = b.pick([0, -1, 1, -5])
+        return _pack(version, header, payload, crc_ok=b.chance(245), hlen_delta=hlen_delta)
+
+    def _reshape(self, header, payload):
+        """Rewrite the sequence part of `header` into a consistent-looking sequence of
+        another shape (segments, offsets, blocks), with a payload of the matching size."""
+        b, c = self.b, self.cache
+        bs, bb = self.bs, c.bytes_per_block
+        b1 = b.int(0, min(c.max_blocks_per_seq + 1, 8) * bs)
+        if b.chance(128):
+            a0 = a1 = b0 = 0
+        else:
+            b0 = b.int(0, b1)
+            a1 = b.int(0, b0)
+            a0 = b.int(0, a1)
+        offs = [0, 0, 0, 1, bs, 2**61, 2**62 - 1]
+        off0, off1 = b.pick(offs), b.pick(offs)
+        nblk = _cdiv(b1, bs) + (0 if b.chance(220) else b.pick([1, -1]))
+        length = (a1 - a0) + (b1 - b0) + (0 if b.chance(240) else 1)
+        kind = b.int(0, 2)
+        size = max(0, nblk) * bb
+        if kind == 0:
+            payload = bytes(size)
+        elif kind == 1:
+            payload = np.random.default_rng(b.byte()).integers(0, 256, size,
+                                                               dtype=np.uint8).tobytes()
+        else:
+            payload = (payload * (size // max(1, len(payload)) + 1))[:size] if payload else bytes(
+                size)
+        seq = header.get("sequence")
+        if not isinstance(seq, dict):
+            seq = header["sequence"] = {}
+        seq.update(nblk=nblk, a0=a0, a1=a1, b0=b0, b1=b1, off0=off0, off1=off1, length=length)
+        if b.chance(100):
+            seq["priority"] = b.pick([math.nan, math.inf, -math.inf, 1e308, -5, "1", None])
+        if c._prefix is not None and b.chance(160):
+            header["token_ids"] = [_stream_token(b.int(0, 3), i) for i in range(max(0, length))]
+        else:
+            header["token_ids"] = None
+        header["payload_bytes"] = len(payload)
+        return payload
+
+    def _compact(self):
+        c = self.cache
+        keep = self.used_entries()
+
+        def compact():
+            before = self.snapshot()
+            used = c.num_blocks - c.num_free_blocks
+            moved = c.compact()
+            assert type(moved) is int and 0 <= moved <= used, moved
+            assert c._core.pool.highest_used() == used - 1, "compact left a hole"
+            self.check_kept(before, keep)
+        return compact
+
+    def _resize(self):
+        b, c = self.b, self.cache
+        used = c.num_blocks - c.num_free_blocks
+        hi = c._core.pool.highest_used()
+        n = b.pick([used, hi + 1, hi, c.num_blocks, c.num_blocks + 1, c.num_blocks - 1, 0, 1,
+                    b.int(0, 24), b.int(0, 64), 1000,
+                    -1, 2**31, 2**63, 2**64, -2**63, 10**30, 1.0, float(hi + 1), True, None,
+                    str(hi + 1), np.int64(hi + 1), np.uint64(2**64 - 1), np.int8(-1),
+                    np.float64(hi + 1)])
+        keep = self.used_entries()
+
+        def resize():
+            before = self.snapshot()
+            c.resize(n)
+            assert c.num_blocks == int(n) and c.num_free_blocks == int(n) - used
+            self.check_kept(before, keep)
+        return resize
+
+    def rewritten(self):
+        """After a layer > 0 append: the newest step of those sequences may have been written
+        again (allowed: the same n positions), registered blocks included; their recorded
+        bytes start over."""
+        blocks = set()
+        for sid in self.rewrites:
+            try:
+                blocks.update(self.cache.block_table(sid).tolist())
+            except ALLOWED:
+                pass
+        self.block_bytes = {k: v for k, v in self.block_bytes.items() if k[0] not in blocks}
+
+    def evicted_during(self, name, e, log_before):
+        """Ids an automatic eviction removed before `e` was raised (documented: with forks the
+        room check can be optimistic and evictions made before the error stay)."""
+        c = self.cache
+        if not (isinstance(e, pagedkv.OutOfBlocksError) and c.auto_evict
+                and name in ("append", "append_batch", "step")):
+            return set()
+        return {r.sid for r in list(c.eviction_log)[log_before:] if r.cause == "out_of_blocks"}
+
+    @staticmethod
+    def only_evicted(before, after, evicted):
+        """`after` is `before` less the evicted sequences."""
+        for part in ("seqs", "prefix_seqs"):
+            if part in before and after[part] != [s for s in before[part] if s[0] not in evicted]:
+                return False
+        return after.get("index") == before.get("index")
+
+    def check_kept(self, before, keep):
+        """After compact / resize: every sequence's contents as before, and every valid prefix
+        entry of a used block still valid."""
+        assert self.snapshot()["seqs"] == before["seqs"], "contents changed"
+        gone = keep - self.used_entries()
+        assert not gone, f"prefix entries of used blocks lost: {len(gone)}"
 
     def _scale(self):
         b = self.b
@@ -278,20 +872,33 @@ class Runner:
             if self.b.left() <= 0:
                 break
             name, call = self.op()
-            before = self.snapshot()
+            self.before = before = self.snapshot()
             live_before = set(self.live)
+            log_before = len(self.cache.eviction_log)
             try:
                 with np.errstate(all="ignore"):
                     call()
                 OUTCOMES[name, "ok"] += 1
-            except ALLOWED as e:
+                if name in READ_ONLY and self.snapshot() != before:
+                    raise AssertionError(f"a successful {name} changed the cache")
+                if self.rewrites:
+                    self.rewritten()
+            except self.allowed as e:
                 OUTCOMES[name, type(e).__name__] += 1
-                after = self.snapshot()
-                if after != before:
-                    raise AssertionError("a call that raised changed the cache")
+                after, before = self.snapshot(), self.before
+                evicted = self.evicted_during(name, e, log_before)
+                if evicted and self.only_evicted(before, after, evicted):
+                    OUTCOMES[name, "evicted-then-raised"] += 1
+                elif after != before:
+                    diff = sorted(k for k in after if after[k] != before.get(k))
+                    raise AssertionError(f"a {name} that raised {type(e).__name__} changed the "
+                                         f"cache ({', '.join(diff)})") from e
+                if self.on_fail is not None:
+                    self.on_fail()
             self.ids()
             self.freed = sorted(set(self.freed) | (live_before - set(self.live)))[-8:]
             check_pool_invariants(self.cache)
+            self.check_state()
 
 
 def run_program(data: bytes):
