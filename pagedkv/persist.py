@@ -19,7 +19,11 @@ segments a0..a1 and b0..b1, the stream offsets off0/off1 — together the kept
 positions — priority, length); ``"token_ids"``: the ids of the held tokens
 when a prefix-caching cache knew them, else null (a prefix-caching cache
 that loads the file registers its full blocks, so a saved system prompt
-becomes a prefix hit); ``"payload_bytes"`` = P.
+becomes a prefix hit); ``"cache_salt"``: the sequence's prefix-cache salt as
+{"type": "str" | "int" | "float" | "bool", "value": ...}, or {"type":
+"other"} for a salt JSON cannot hold exactly (the loaded sequence is then not
+registered: its blocks are never a hit for any salt), or null for none (and
+in files written before this key existed); ``"payload_bytes"`` = P.
 
 Saving writes a temporary file in the target's directory and renames it
 over the target (atomic on POSIX and Windows).  Loading reads and checks the
@@ -69,6 +73,34 @@ def config_of(cache) -> dict:
     }
 
 
+_SALT_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _salt_record(salt):
+    """The header's record of a prefix-cache salt (see the module docstring)."""
+    if salt is None:
+        return None
+    for name, t in _SALT_TYPES.items():
+        if type(salt) is t and not (t is float and salt != salt):  # NaN never equals itself
+            return {"type": name, "value": salt}
+    return {"type": "other"}
+
+
+def _salt_from(record, path):
+    """(registrable, salt) from a header's cache_salt record."""
+    if record is None:
+        return True, None
+    if not isinstance(record, dict) or record.get("type") not in (*_SALT_TYPES, "other"):
+        raise CacheFileError(f"{os.fspath(path)}: malformed cache_salt")
+    if record["type"] == "other":
+        return False, None
+    value = record.get("value")
+    if type(value) is not _SALT_TYPES[record["type"]] and not (
+            record["type"] == "float" and type(value) is int):
+        raise CacheFileError(f"{os.fspath(path)}: malformed cache_salt")
+    return True, _SALT_TYPES[record["type"]](value)
+
+
 def save(cache, sid, path) -> int:
     """Write sequence `sid` to `path` atomically; returns the bytes written."""
     core = cache._core
@@ -76,10 +108,12 @@ def save(cache, sid, path) -> int:
         meta, blocks = core.export_seq(sid)
         meta["length"] = cache.seq_len(sid)
         tokens = cache._prefix.tokens_of(sid) if cache._prefix is not None else None
+        salt = cache._prefix.salt_of(sid) if cache._prefix is not None else None
     header = json.dumps({
         "config": config_of(cache),
         "sequence": meta,
         "token_ids": tokens,
+        "cache_salt": _salt_record(salt),
         "payload_bytes": int(blocks.nbytes),
     }, separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
@@ -170,11 +204,12 @@ def load(cache, path, priority=None) -> int:
     if tokens is not None and (not isinstance(tokens, list) or len(tokens) != meta.get("length")
                                or not all(type(t) is int for t in tokens)):
         raise CacheFileError(f"{os.fspath(path)}: malformed token_ids")
+    registrable, salt = _salt_from(header.get("cache_salt"), path)
     with cache._core.hold():  # the sequence and its prefix-index entries as one step
         sid = cache._core.import_seq(meta, payload)
         if cache._prefix is not None:
-            if tokens is not None:
-                cache._prefix.restored(sid, tokens)
+            if tokens is not None and registrable:
+                cache._prefix.restored(sid, tokens, salt)
             else:
                 cache._prefix.new_sequence(sid)
     return sid

@@ -226,9 +226,14 @@ class PrefixCache:
             return None
         return st.tokens[:self._core.seq_len(sid)]
 
-    def restored(self, sid: int, tokens: List[int]) -> None:
-        """A sequence loaded from a file with these token ids: register it."""
-        self._seqs[int(sid)] = _SeqState(list(tokens), [], None)
+    def salt_of(self, sid: int):
+        """The cache_salt `sid` was started with (None: none)."""
+        st = self._seqs.get(int(sid))
+        return None if st is None else st.salt
+
+    def restored(self, sid: int, tokens: List[int], salt=None) -> None:
+        """A sequence loaded from a file with these token ids and salt: register it."""
+        self._seqs[int(sid)] = _SeqState(list(tokens), [], salt)
         self.register(sid)
 
     # ------------------------------------------------------------------

@@ -385,8 +385,6 @@ def test_second_computation_of_a_prefix_stays_hit_able():
     assert cache.seq_len(h) == 4             # s still holds both full blocks
 
 
-@pytest.mark.xfail(strict=True, reason="the file does not keep the cache_salt: a sequence saved "
-                   "with a salt registers its blocks without one when loaded")
 def test_loaded_sequence_keeps_its_cache_salt(tmp_path):
     cache = make(block_size=2, layers=1)
     p = [1, 2, 3, 4, 5]
@@ -395,3 +393,20 @@ def test_loaded_sequence_keeps_its_cache_salt(tmp_path):
     cache.save(a, tmp_path / "a.pkv")
     cache.load(tmp_path / "a.pkv")
     assert cache.seq_len(cache.add_sequence(token_ids=p)) == 0  # another tenant (no salt)
+
+
+def test_loaded_salt_separates_tenants_in_a_fresh_cache(tmp_path):
+    src = make(block_size=2, layers=1)
+    p = [1, 2, 3, 4, 5]
+    for name, salt in (("str", "tenant-a"), ("int", 7), ("other", ("tenant", "b"))):
+        a = src.add_sequence(token_ids=p, cache_salt=salt)
+        prefill(src, a, p)
+        src.save(a, tmp_path / f"{name}.pkv")
+        dst = make(block_size=2, layers=1)
+        loaded = dst.load(tmp_path / f"{name}.pkv")
+        assert dst.seq_len(loaded) == 5
+        assert dst.seq_len(dst.add_sequence(token_ids=p)) == 0           # no salt: no hit
+        assert dst.seq_len(dst.add_sequence(token_ids=p, cache_salt="x")) == 0
+        hit = dst.seq_len(dst.add_sequence(token_ids=p, cache_salt=salt))
+        # a salt JSON cannot hold exactly is not stored: that copy is never registered
+        assert hit == (0 if name == "other" else 4)
