@@ -5,26 +5,39 @@ applying StreamingLLM's rule before each layer-0 append, and the pending layers 
 only been written on layer 0.  Rules: add_sequence, append (1..n tokens, every layer, or layer 0
 only and the other layers later), append_batch, attend, attend_batch, gather, fork, truncate, free,
 apply_streaming_llm, evict (by id and by strategy), evict_to_threshold, automatic eviction on or
-off, set_priority, save + load (the loaded sequence equals the saved one: gather, kept positions,
-attention bit for bit; a save in the middle of a step raises), load of a damaged file (truncated,
-a flipped byte, foreign magic, another version, an inconsistent header with a valid checksum:
-CacheFileError; another configuration: ValueError), compact (the blocks moved are exactly the used
+off, set_priority, save and load (a save in the middle of a step raises and leaves no file; a
+later load, maybe after frees, compaction or resize, gives a new sequence equal to the saved one:
+gather, kept positions, priority, attention, bit for bit against the original when it is unchanged,
+or OutOfBlocksError / no slot and no change), load of a damaged file (truncated, a flipped byte,
+foreign magic, another version, an inconsistent header with a valid checksum: CacheFileError;
+another configuration: ValueError; no change), compact (the blocks moved are exactly the used
 blocks above the used count; afterwards the used blocks are 0..used-1) and resize (grow, shrink to
-what fits, shrink below a used block: ValueError).  Block-exact accounting without StreamingLLM is
-test_state_machine.py's job; this machine covers every operation and mode.
+what fits, shrink below a used block or to 0: ValueError and no change).  Block-exact accounting
+without StreamingLLM is test_state_machine.py's job; this machine covers every operation and mode.
 
-Storage dtypes: the machines with KV_DTYPE set store ``reference.ref_stored`` of what they append,
-so gather compares exactly and attention is held to the *compute* dtype's tolerance on the stored
-values (the kernels convert on load and lose nothing more).
+Machines: FullMachine (float64), StreamingMachine (StreamingLLM, float32), TightMachine (a
+5-block pool, max_blocks_per_seq), and per storage dtype Bf16Machine (bfloat16 in float32),
+Int8Machine (int8 in float32, head_dim 36: two scale groups), F16StreamingMachine (float16 in
+float64, StreamingLLM), F32InF64TightMachine (float32 in float64, tiny pool).  These store
+``reference.ref_stored`` of what they append, so gather compares exactly and attention is held to
+the *compute* dtype's tolerance on the stored values (the kernels lose nothing more).
 
-Prefix caching (PrefixMachine): token ids come from a 3-token vocabulary and prompts often extend
-a live sequence's ids, so prefixes are shared.  K/V of a token whose ids are known is a pure
-function of (ids up to and including it, layer), as a model's would be; a prefix hit therefore
-must read back exactly that function of the prompt's prefix (the invariant compares every layer),
-so a hit on other ids, on a block rewritten in place or on a block not yet written on every layer
-fails.  The model also knows which (salt, ids) full blocks ever became registrable: a hit may
-only use those (a cross-salt hit fails), and a hit must reach at least every block that exactly
-one computation ever produced while a live sequence still holds it (a missed hit fails).
+Prefix caching: PrefixMachine (float32), PrefixInt8Machine (int8 in float64, block size 3) and
+PrefixCollisionMachine (a hash that collides across ids, prefixes and salts).  Token ids come
+from a 3-token vocabulary; programs start with a computed prompt, and prompts extend the ids of
+live sequences or of blocks let go of (freed, evicted, truncated away), under salts None / "t".
+K/V of a token whose ids are known is a pure function of (ids up to and including it, layer), as
+a model's would be, so a hit must read back exactly that function of the prompt's prefix on every
+layer (the invariant and each hit compare exactly): a hit on other ids, after another prefix, on a
+block rewritten in place or on one not yet written on every layer fails.  The model records which
+(salt, ids) keys ever became registrable (a hit may only use those: a cross-salt hit fails) and
+which computation registered each key: a block registered to a computation that a live sequence
+still holds in full must be hit (checked on every prompt, and probed each time a sequence
+completes blocks), so a block left unregistered fails.  After a key's registered computation was
+let go of, the cache may hold either copy: the model stops requiring that key (in particular a
+second computation of a prefix is not required, test_prefix.py's strict xfail
+test_second_computation_of_a_prefix_stays_hit_able).  Prefix hit / miss statistics are checked on
+every prompt; apply_streaming_llm must raise.
 
 After every step: every block's reference count equals the block-table entries naming it, the free
 queue holds exactly the unreferenced blocks, free + used == total, the prefix index's cached
@@ -45,7 +58,6 @@ import tempfile
 import zlib
 
 import numpy as np
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -297,7 +309,6 @@ class FullMachine(RuleBasedStateMachine):
         if not ok:
             return
         batch = data.draw(st.lists(st.sampled_from(ok), min_size=1, max_size=len(ok), unique=True))
-        B = len(batch)
         kw, ids = self.batch_ids(data, batch)
         rows = [self.step_kv(self.model[sid], 1, seed + 1000 * b, ids[b])
                 for b, sid in enumerate(batch)]
