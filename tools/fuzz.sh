@@ -16,7 +16,11 @@ if [[ "${1:-}" == --replay ]]; then
     shift
     VENV="${PAGEDKV_SANITIZE_VENV:-/tmp/pagedkv-sanitize-venv}"
     if [[ ! -x "$VENV/bin/pytest" ]]; then "$ROOT/tools/sanitize.sh" --run true; fi
-    REUSE=1 exec "$ROOT/tools/sanitize.sh" --run "$VENV/bin/python" "$ROOT/tests/fuzz/replay.py" "$@"
+    # sanitize.sh runs the command from a scratch directory: pass the inputs as absolute paths
+    paths=()
+    for p in "$@"; do paths+=("$(realpath "$p")"); done
+    REUSE=1 exec "$ROOT/tools/sanitize.sh" --run "$VENV/bin/python" "$ROOT/tests/fuzz/replay.py" \
+        "${paths[@]}"
 fi
 ART="${PAGEDKV_FUZZ_ARTIFACTS:-/tmp/pagedkv-fuzz-artifacts}"
 mkdir -p "$ART"
