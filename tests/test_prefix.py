@@ -177,21 +177,6 @@ def test_forced_hash_collision_returns_no_wrong_kv(monkeypatch):
     np.testing.assert_array_equal(cache.gather(c, 0)[0], kv_for(p1, 0)[0][:16])
 
 
-def test_colliding_key_of_the_same_block_after_another_prefix_is_a_miss(monkeypatch):
-    # a hash of the block's own ids only: block B after A and block B after C share a key; the
-    # entry's parent chain (A) must be compared with the prompt's (C)
-    cache = make(layers=1)
-    monkeypatch.setattr(cache._prefix, "_hash", lambda parent, tokens, salt: hash(tokens))
-    a, b, c = list(range(16)), list(range(100, 116)), list(range(200, 216))
-    s1 = cache.add_sequence(token_ids=a + b + [1])
-    prefill(cache, s1, a + b + [1])          # registers A, then B after A
-    s2 = cache.add_sequence(token_ids=c + [1])
-    prefill(cache, s2, c + [1])              # registers C
-    s3 = cache.add_sequence(token_ids=c + b + [1])
-    assert cache.seq_len(s3) == 16           # C only: B after A is not B after C
-    np.testing.assert_array_equal(cache.gather(s3, 0)[0], kv_for(c, 0)[0])
-
-
 def test_fork_truncate_and_rewrite_keep_the_index_honest(rng):
     cache = make(layers=1)
     p = list(range(48))

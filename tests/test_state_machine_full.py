@@ -5,39 +5,26 @@ applying StreamingLLM's rule before each layer-0 append, and the pending layers 
 only been written on layer 0.  Rules: add_sequence, append (1..n tokens, every layer, or layer 0
 only and the other layers later), append_batch, attend, attend_batch, gather, fork, truncate, free,
 apply_streaming_llm, evict (by id and by strategy), evict_to_threshold, automatic eviction on or
-off, set_priority, save and load (a save in the middle of a step raises and leaves no file; a
-later load, maybe after frees, compaction or resize, gives a new sequence equal to the saved one:
-gather, kept positions, priority, attention, bit for bit against the original when it is unchanged,
-or OutOfBlocksError / no slot and no change), load of a damaged file (truncated, a flipped byte,
-foreign magic, another version, an inconsistent header with a valid checksum: CacheFileError;
-another configuration: ValueError; no change), compact (the blocks moved are exactly the used
+off, set_priority, save + load (the loaded sequence equals the saved one: gather, kept positions,
+attention bit for bit; a save in the middle of a step raises), load of a damaged file (truncated,
+a flipped byte, foreign magic, another version, an inconsistent header with a valid checksum:
+CacheFileError; another configuration: ValueError), compact (the blocks moved are exactly the used
 blocks above the used count; afterwards the used blocks are 0..used-1) and resize (grow, shrink to
-what fits, shrink below a used block or to 0: ValueError and no change).  Block-exact accounting
-without StreamingLLM is test_state_machine.py's job; this machine covers every operation and mode.
+what fits, shrink below a used block: ValueError).  Block-exact accounting without StreamingLLM is
+test_state_machine.py's job; this machine covers every operation and mode.
 
-Machines: FullMachine (float64), StreamingMachine (StreamingLLM, float32), TightMachine (a
-5-block pool, max_blocks_per_seq), and per storage dtype Bf16Machine (bfloat16 in float32),
-Int8Machine (int8 in float32, head_dim 36: two scale groups), F16StreamingMachine (float16 in
-float64, StreamingLLM), F32InF64TightMachine (float32 in float64, tiny pool).  These store
-``reference.ref_stored`` of what they append, so gather compares exactly and attention is held to
-the *compute* dtype's tolerance on the stored values (the kernels lose nothing more).
+Storage dtypes: the machines with KV_DTYPE set store ``reference.ref_stored`` of what they append,
+so gather compares exactly and attention is held to the *compute* dtype's tolerance on the stored
+values (the kernels convert on load and lose nothing more).
 
-Prefix caching: PrefixMachine (float32), PrefixInt8Machine (int8 in float64, block size 3) and
-PrefixCollisionMachine (a hash that collides across ids, prefixes and salts).  Token ids come
-from a 3-token vocabulary; programs start with a computed prompt, and prompts extend the ids of
-live sequences or of blocks let go of (freed, evicted, truncated away), under salts None / "t".
-K/V of a token whose ids are known is a pure function of (ids up to and including it, layer), as
-a model's would be, so a hit must read back exactly that function of the prompt's prefix on every
-layer (the invariant and each hit compare exactly): a hit on other ids, after another prefix, on a
-block rewritten in place or on one not yet written on every layer fails.  The model records which
-(salt, ids) keys ever became registrable (a hit may only use those: a cross-salt hit fails) and
-which computation registered each key: a block registered to a computation that a live sequence
-still holds in full must be hit (checked on every prompt, and probed each time a sequence
-completes blocks), so a block left unregistered fails.  After a key's registered computation was
-let go of, the cache may hold either copy: the model stops requiring that key (in particular a
-second computation of a prefix is not required, test_prefix.py's strict xfail
-test_second_computation_of_a_prefix_stays_hit_able).  Prefix hit / miss statistics are checked on
-every prompt; apply_streaming_llm must raise.
+Prefix caching (PrefixMachine): token ids come from a 3-token vocabulary and prompts often extend
+a live sequence's ids, so prefixes are shared.  K/V of a token whose ids are known is a pure
+function of (ids up to and including it, layer), as a model's would be; a prefix hit therefore
+must read back exactly that function of the prompt's prefix (the invariant compares every layer),
+so a hit on other ids, on a block rewritten in place or on a block not yet written on every layer
+fails.  The model also knows which (salt, ids) full blocks ever became registrable: a hit may
+only use those (a cross-salt hit fails), and a hit must reach at least every block that exactly
+one computation ever produced while a live sequence still holds it (a missed hit fails).
 
 After every step: every block's reference count equals the block-table entries naming it, the free
 queue holds exactly the unreferenced blocks, free + used == total, the prefix index's cached
@@ -56,8 +43,10 @@ import shutil
 import struct
 import tempfile
 import zlib
+from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -86,13 +75,12 @@ class Held:
         self.ids = []                # token ids the cache knows for positions 0..len-1
         self.salt = None
         self.elig = 0                # leading full blocks registered or chained (prefix caching)
-        self.phys = []               # for each of those: which computation's block it holds
 
     def copy(self):
         c = Held.__new__(Held)
         c.pos, c.next_pos, c.pending = list(self.pos), self.next_pos, self.pending
         c.k, c.v = [a.copy() for a in self.k], [a.copy() for a in self.v]
-        c.ids, c.salt, c.elig, c.phys = list(self.ids), self.salt, self.elig, list(self.phys)
+        c.ids, c.salt, c.elig = list(self.ids), self.salt, self.elig
         return c
 
     def keep(self, idx):
@@ -118,7 +106,6 @@ class FullMachine(RuleBasedStateMachine):
     STREAMING = None                 # (sink, window) or None
     PREFIX = False
     MAX_BLOCKS_PER_SEQ = None
-    CI = {}                          # this machine's changes to the ci profile
     programs = steps = 0
 
     def __init__(self):
@@ -134,7 +121,6 @@ class FullMachine(RuleBasedStateMachine):
         self.model = {}
         self.dir = tempfile.mkdtemp(prefix="pagedkv-sm-")
         self.files = 0
-        self.saved = {}              # path -> (sid, model copy, blocks, priority) when saved
         _count(type(self), "programs")
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -181,10 +167,7 @@ class FullMachine(RuleBasedStateMachine):
 
     def drop(self, sids):
         for s in sids:
-            self.forget(self.model.pop(s))
-
-    def forget(self, m):
-        """m's blocks are let go of (freed, evicted, or truncated away)."""
+            del self.model[s]
 
     def pick(self, data, ok=lambda m: True):
         choices = sorted(s for s, m in self.model.items() if ok(m))
@@ -228,13 +211,6 @@ class FullMachine(RuleBasedStateMachine):
 
     def written(self, m):
         """m's newest tokens were written on some layers (prefix caching registers blocks)."""
-
-    def truncated(self, m, length):
-        """m was truncated to `length` (what the prefix cache forgets)."""
-        self.forget(m)
-        del m.ids[length:]
-        m.elig = min(m.elig, length // self.BS)
-        del m.phys[m.elig:]
 
     def loaded_copy(self, m):
         return m.copy()
@@ -309,6 +285,7 @@ class FullMachine(RuleBasedStateMachine):
         if not ok:
             return
         batch = data.draw(st.lists(st.sampled_from(ok), min_size=1, max_size=len(ok), unique=True))
+        B = len(batch)
         kw, ids = self.batch_ids(data, batch)
         rows = [self.step_kv(self.model[sid], 1, seed + 1000 * b, ids[b])
                 for b, sid in enumerate(batch)]
@@ -391,7 +368,8 @@ class FullMachine(RuleBasedStateMachine):
         if err is None:
             m.keep(range(length))
             m.next_pos = m.pos[-1] + 1 if m.pos else 0  # a roll back: the stream resumes there
-            self.truncated(m, length)
+            del m.ids[length:]                          # what the prefix cache forgets
+            m.elig = min(m.elig, length // self.BS)
         else:
             assert length < 0 or length > len(m.pos)
 
@@ -445,60 +423,39 @@ class FullMachine(RuleBasedStateMachine):
 
     # ---- save / load, compact, resize -----------------------------------------------------------
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def save(self, data):
-        """Save a sequence; loads come later (after other operations, the sequence maybe gone)."""
+    @rule(data=st.data(), priority=st.sampled_from([None, 1.5]), seed=SEEDS)
+    def save_load(self, data, priority, seed):
         sid = self.pick(data, self.saveable)
         if sid is None:
             return
         m, c = self.model[sid], self.cache
         path = self.path()
-        before = set(os.listdir(self.dir))
         if m.pending:
             _, err = self.attempt(lambda: c.save(sid, path), ValueError)
             assert err is not None and "middle of a step" in str(err)
-            assert set(os.listdir(self.dir)) == before  # no file, no temporary left
+            assert not os.path.exists(path) and os.listdir(self.dir) == []
             return
         nbytes = c.save(sid, path)
-        assert os.path.getsize(path) == nbytes
-        assert set(os.listdir(self.dir)) == before | {os.path.basename(path)}
-        self.saved[path] = (sid, m.copy(), c.num_seq_blocks(sid), c.priority(sid))
-        if len(self.saved) > 3:  # keep the newest 3
-            oldest = next(iter(self.saved))
-            os.unlink(oldest)
-            del self.saved[oldest]
-
-    @precondition(lambda self: self.saved)
-    @rule(data=st.data(), priority=st.sampled_from([None, 1.5]), seed=SEEDS)
-    def load(self, data, priority, seed):
-        """Load a saved file: a new sequence equal to the saved one, or (no slot, too few free
-        blocks) an error and no change."""
-        path = data.draw(st.sampled_from(sorted(self.saved)))
-        sid, m, nblk, saved_priority = self.saved[path]
-        c = self.cache
+        assert os.path.getsize(path) == nbytes and os.listdir(self.dir) == [os.path.basename(path)]
         full = len(self.model) == self.MAX_SEQS
-        short = c.num_free_blocks < nblk
+        short = c.num_free_blocks < c.num_seq_blocks(sid)
+        want_priority = c.priority(sid) if priority is None else priority
         new, err = self.attempt(lambda: c.load(path, priority=priority),
                                 (pagedkv.OutOfBlocksError, RuntimeError))
+        os.unlink(path)
         if err is not None:
             assert isinstance(err, pagedkv.OutOfBlocksError) != full and (full or short), err
             return
         assert not full and not short and new not in self.model
-        assert c.priority(new) == (saved_priority if priority is None else priority)
-        assert c.num_seq_blocks(new) == nblk
+        assert c.priority(new) == want_priority
         self.model[new] = self.loaded_copy(m)
         self.written(self.model[new])
-        orig = self.model.get(sid)
-        same = orig is not None and orig.pos == m.pos and not orig.pending and all(
-            np.array_equal(a, b) for a, b in zip(orig.k + orig.v, m.k + m.v))
-        for layer in range(self.LAYERS if m.pos else 0):
-            n = data.draw(st.integers(1, len(m.pos)))
-            q = self.tokens(seed + layer, n, self.HKV * self.G)
-            out = c.attend(new, q, layer=layer)
-            exp = ref_attention(q, m.k[layer], m.v[layer], math_scale(self.D), len(m.pos) - n)
-            assert_attention_close(out, exp, self.DTYPE, m.v[layer])
-            if same:  # the original, unchanged since: bit for bit
-                np.testing.assert_array_equal(out, c.attend(sid, q, layer=layer))
+        if m.pos:  # attention over the copy is the original's, bit for bit
+            for layer in range(self.LAYERS):
+                n = data.draw(st.integers(1, len(m.pos)))
+                q = self.tokens(seed + layer, n, self.HKV * self.G)
+                np.testing.assert_array_equal(c.attend(new, q, layer=layer),
+                                              c.attend(sid, q, layer=layer))
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), damage=st.sampled_from(
@@ -638,21 +595,12 @@ class PrefixMachine(FullMachine):
     NUM_BLOCKS, BS, HKV, G, D, LAYERS, MAX_SEQS = 16, 2, 1, 2, 4, 2, 6
     DTYPE = "float32"
     PREFIX = True
-    COLLIDE = False
-    CI = dict(max_examples=25, stateful_step_count=80)  # stale entries need longer programs
     hits = bounded = 0
 
     def __init__(self):
         super().__init__()
-        self.reg = {}                # key -> the computation registered for it, None: unknown
-        self.past = []               # (salt, ids) of registrable blocks let go of, the last 8
-        self.computations = 0
-        self.ever = set()            # every key that ever became registrable
-        if self.COLLIDE:
-            # a chain of the blocks' id sums, without the salt: other ids with the same sums,
-            # the same ids after another prefix of the same sums, and other salts collide
-            self.cache._prefix._hash = lambda parent, tokens, salt: hash(
-                (None if parent is None else parent.key, sum(tokens)))
+        self.writers = Counter()     # (salt, ids of full blocks 0..i) -> computations of block i
+        self.ever = set()            # every such key that ever became registrable
         self.kv_memo = {}
 
     def kv_of(self, ids, layer):
@@ -710,58 +658,21 @@ class PrefixMachine(FullMachine):
                for sid, g in zip(batch, given)]
         return kw, ids
 
-    def key(self, salt, ids, i):
-        """The index key of full block i of ids (a key of the model: salt and all ids up to it)."""
-        return salt, tuple(ids[:(i + 1) * self.BS])
-
-    def alive(self, comp):
-        return any(comp in m.phys for m in self.model.values())
-
     def written(self, m):
-        """Blocks that m now holds full, written on every layer, with known ids: m computed them
-        (a new computation each).  The cache registers such a block unless its key is taken by
-        an entry that is still valid: certainly when that computation is still held in full by
-        a live sequence (the key's registration stays), maybe when not (unknown from then on)."""
         done = len(m.pos) - (m.pending[0] if m.pending else 0)
         full = min(done, len(m.ids)) // self.BS
         for i in range(m.elig, full):
-            self.computations += 1
-            comp = self.computations
-            key = self.key(m.salt, m.ids, i)
-            if key not in self.reg:
-                self.reg[key] = comp
-            elif self.reg[key] is not None and not self.alive(self.reg[key]):
-                self.reg[key] = None
+            key = (m.salt, tuple(m.ids[:(i + 1) * self.BS]))
+            self.writers[key] += 1
             self.ever.add(key)
-            m.phys.append(comp)
-        if full > m.elig:
-            m.elig = full
-            self.probe(m)
-
-    def probe(self, m):
-        """m's blocks that must be hit-able now (registered to computations held in full): a
-        prompt of exactly those blocks plus one token hits them all, with m's K/V (it shares
-        live blocks only, so the free queue is untouched); the probe is freed again."""
-        bs, c = self.BS, self.cache
-        d = self.must_hit(m.ids[:m.elig * bs] + [0], m.salt)
-        if not d or len(self.model) == self.MAX_SEQS:
-            return
-        prompt = m.ids[:d * bs] + [0]
-        sid = c.add_sequence(token_ids=prompt, cache_salt=m.salt)
-        assert c.seq_len(sid) == d * bs, (c.seq_len(sid), d * bs, m.salt, prompt)
-        for l in range(self.LAYERS):
-            k, v = c.gather(sid, l)
-            np.testing.assert_array_equal(k, m.k[l][:d * bs])
-            np.testing.assert_array_equal(v, m.v[l][:d * bs])
-        c.free(sid)
-        _count(type(self), "probes")
+        m.elig = max(m.elig, full)
 
     def loaded_copy(self, m):
         # the file holds the ids of the held tokens when all are known; loading registers them
         # (without a salt: only unsalted sequences are saved here, see saveable)
         c = m.copy()
         c.ids = c.ids[:len(c.pos)] if len(c.ids) >= len(c.pos) else []
-        c.elig, c.phys = 0, []
+        c.elig = 0
         return c
 
     def saveable(self, m):
@@ -770,35 +681,26 @@ class PrefixMachine(FullMachine):
         return m.salt is None
 
     def must_hit(self, prompt, salt):
-        """Blocks a hit must reach: each block's key registered to a computation that a live
-        sequence holds in full (so its entry is valid).  None with colliding hashes (a key
-        taken by other contents blocks registration)."""
-        j = 0
-        while not self.COLLIDE and j < max(len(prompt) - 1, 0) // self.BS:
-            comp = self.reg.get(self.key(salt, prompt, j))
-            if comp is None or not self.alive(comp):
+        """Blocks a hit must reach: each produced by exactly one computation that a live
+        sequence still holds (its entry cannot have been replaced or handed out)."""
+        bs, j = self.BS, 0
+        while j < max(len(prompt) - 1, 0) // bs:
+            ids = tuple(prompt[:(j + 1) * bs])
+            if self.writers[(salt, ids)] != 1 or not any(
+                    m.salt == salt and m.elig > j and tuple(m.ids[:(j + 1) * bs]) == ids
+                    for m in self.model.values()):
                 break
             j += 1
         return j
 
-    def forget(self, m):
-        if m.elig:  # its cached blocks stay hit-able until handed out again
-            self.past.append((m.salt, m.ids[:m.elig * self.BS]))
-            del self.past[:-8]
-
     @rule(data=st.data(), priority=st.sampled_from([0.0, 2.5]), salt=st.sampled_from(SALTS))
     def add_prompt(self, data, priority, salt):
-        """A prompt of its own, or extending the ids of a live sequence or of one whose blocks
-        were let go of (cached, or handed out again since), under a drawn salt."""
-        src = data.draw(st.sampled_from(["none", "live", "past"]))
+        """A prompt of its own, or extending some live sequence's ids, under a drawn salt."""
+        src = self.pick(data, lambda m: m.ids) if data.draw(st.booleans()) else None
         base = []
-        if src == "live" and any(m.ids for m in self.model.values()):
-            ids = self.model[self.pick(data, lambda m: m.ids)].ids
+        if src is not None:
+            ids = self.model[src].ids
             base = ids[:data.draw(st.integers(0, len(ids)))]
-        elif src == "past" and self.past:
-            past_salt, ids = data.draw(st.sampled_from(self.past))
-            base = ids[:data.draw(st.integers(0, len(ids)))]
-            salt = past_salt if data.draw(st.integers(0, 3)) else salt
         self.add_with_prompt(data, priority, salt, base)
 
     @precondition(lambda self: any(m.elig for m in self.model.values()))
@@ -811,14 +713,6 @@ class PrefixMachine(FullMachine):
         base = src.ids[:data.draw(st.integers(bs, max(bs, len(src.ids))))]
         salt = src.salt if data.draw(st.integers(0, 4)) else SALTS[src.salt is None]
         self.add_with_prompt(data, priority, salt, base)
-
-    @precondition(lambda self: self.past)
-    @rule(data=st.data())
-    def reuse_past(self, data):
-        """A prompt starting with blocks let go of: cached (a hit must read them back) or handed
-        out again (a hit must not)."""
-        salt, ids = data.draw(st.sampled_from(self.past))
-        self.add_with_prompt(data, 0.0, salt, ids[:data.draw(st.integers(self.BS, len(ids)))])
 
     @initialize(data=st.data(), salt=st.sampled_from(SALTS))
     def start(self, data, salt):
@@ -860,7 +754,6 @@ class PrefixMachine(FullMachine):
                 m.k[l] = self.stored(np.stack([x[0] for x in kv]))
                 m.v[l] = self.stored(np.stack([x[1] for x in kv]))
         m.ids, m.salt, m.elig = list(prompt), salt, L // bs
-        m.phys = [self.reg.get(self.key(salt, prompt, j)) for j in range(L // bs)]
         self.model[sid] = m
         if prefill is None:
             prefill = data.draw(st.booleans())
@@ -885,14 +778,7 @@ class PrefixMachine(FullMachine):
 
     def report_extra(self):
         cls = type(self)
-        return (f" hits={cls.__dict__.get('hits', 0)} lower_bounded={cls.__dict__.get('bounded', 0)}"
-                f" probes={cls.__dict__.get('probes', 0)}")
-
-
-class PrefixCollisionMachine(PrefixMachine):
-    """Prefix caching with a hash that collides across ids and salts: every hit is still the
-    prompt's own K/V and salt (the index verifies ids, salt and parents, never the hash)."""
-    COLLIDE = True
+        return f" hits={cls.__dict__.get('hits', 0)} lower_bounded={cls.__dict__.get('bounded', 0)}"
 
 
 class PrefixInt8Machine(PrefixMachine):
@@ -901,15 +787,17 @@ class PrefixInt8Machine(PrefixMachine):
     DTYPE, KV_DTYPE = "float64", "int8"
 
 
-MACHINES = {"Full": FullMachine, "Streaming": StreamingMachine, "Tight": TightMachine,
-            "Bf16": Bf16Machine, "Int8": Int8Machine, "F16Streaming": F16StreamingMachine,
-            "F32InF64Tight": F32InF64TightMachine, "Prefix": PrefixMachine,
-            "PrefixCollision": PrefixCollisionMachine, "PrefixInt8": PrefixInt8Machine}
-for _name, _machine in MACHINES.items():
-    _kw = dict(PROFILES[PROFILE], **(_machine.CI if PROFILE == "ci" else {}))
-    if os.environ.get("PAGEDKV_STATE_MACHINE_EXAMPLES"):  # bound a deep run by programs
-        _kw["max_examples"] = int(os.environ["PAGEDKV_STATE_MACHINE_EXAMPLES"])
-    _case = _machine.TestCase
-    _case.settings = settings(deadline=None, **_kw)
-    globals()["Test" + _name] = _case
-del _name, _machine, _kw, _case
+SETTINGS = settings(deadline=None, **PROFILES[PROFILE])
+TestFull = FullMachine.TestCase
+TestStreaming = StreamingMachine.TestCase
+TestTight = TightMachine.TestCase
+TestBf16 = Bf16Machine.TestCase
+TestInt8 = Int8Machine.TestCase
+TestF16Streaming = F16StreamingMachine.TestCase
+TestF32InF64Tight = F32InF64TightMachine.TestCase
+TestPrefix = PrefixMachine.TestCase
+TestPrefixInt8 = PrefixInt8Machine.TestCase
+for _case in (TestFull, TestStreaming, TestTight, TestBf16, TestInt8, TestF16Streaming,
+              TestF32InF64Tight, TestPrefix, TestPrefixInt8):
+    _case.settings = SETTINGS
+del _case
