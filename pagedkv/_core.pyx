@@ -312,8 +312,8 @@ cdef class CacheCore:
 
     cdef _set_rope(self, cos, sin):
         dt = np.float32 if self.compute == PKV_F32 else np.float64
-        cos = np.ascontiguousarray(cos, dtype=dt)
-        sin = np.ascontiguousarray(sin, dtype=dt)
+        cos = np.require(cos, dt, ("C_CONTIGUOUS", "ALIGNED"))
+        sin = np.require(sin, dt, ("C_CONTIGUOUS", "ALIGNED"))
         if cos.ndim != 2 or cos.shape != sin.shape:
             raise ValueError("rope tables must be two arrays of equal shape [max_pos, half]")
         half = cos.shape[1]
@@ -632,7 +632,7 @@ cdef class CacheCore:
             self._exit()
 
     cdef object _adopt(self, object blocks, object priority):
-        cdef cnp.ndarray arr = np.ascontiguousarray(blocks, dtype=np.int32)
+        cdef cnp.ndarray arr = np.require(blocks, np.int32, ("C_CONTIGUOUS", "ALIGNED"))
         cdef int64_t n = arr.shape[0] if arr.ndim == 1 else -1, i
         cdef const int32_t *b = <const int32_t *>cnp.PyArray_DATA(arr)
         if n < 0:
@@ -840,7 +840,10 @@ cdef class CacheCore:
         if (cnp.PyArray_TYPE(<cnp.ndarray>a) == self.typenum
                 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a)):
             return a
-        return np.ascontiguousarray(a, dtype=self.dtype)
+        # ALIGNED too: np.ascontiguousarray passes an unaligned C-contiguous
+        # array through (e.g. from a byte buffer at an odd offset), and the C
+        # code loads whole floats
+        return np.require(a, self.dtype, ("C_CONTIGUOUS", "ALIGNED"))
 
     cdef object _output(self, object out, int64_t n, int hq):
         cdef cnp.ndarray arr
