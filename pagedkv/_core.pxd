@@ -58,6 +58,8 @@ cdef extern from "pagedkv/attention.h" nogil:
     ctypedef struct pkv_rope:
         const void *cos
         const void *sin
+        const void *cos_t
+        const void *sin_t
         int64_t max_pos
         int half
     ctypedef struct pkv_attn_args:

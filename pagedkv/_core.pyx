@@ -220,6 +220,8 @@ cdef class CacheCore:
         # RoPE tables (kept alive by these references)
         object _rope_cos
         object _rope_sin
+        object _rope_cos_t
+        object _rope_sin_t
         pkv_rope rope
         bint has_rope
         # batch arrays (max_seqs entries) and kernel scratch
@@ -323,8 +325,13 @@ cdef class CacheCore:
             raise ValueError("rope tables must cover max_blocks_per_seq * block_size positions")
         self._rope_cos = cos
         self._rope_sin = sin
+        # keys are rotated a vector of consecutive positions at a time: [half][max_pos]
+        self._rope_cos_t = np.ascontiguousarray(cos.T)
+        self._rope_sin_t = np.ascontiguousarray(sin.T)
         self.rope.cos = cnp.PyArray_DATA(cos)
         self.rope.sin = cnp.PyArray_DATA(sin)
+        self.rope.cos_t = cnp.PyArray_DATA(self._rope_cos_t)
+        self.rope.sin_t = cnp.PyArray_DATA(self._rope_sin_t)
         self.rope.max_pos = cos.shape[0]
         self.rope.half = <int>half
 

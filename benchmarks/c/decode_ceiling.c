@@ -100,10 +100,11 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
             const size_t qo = ((size_t)b * a->hq + h) * d;
             double mx = -INFINITY, sum = 0;
             for (int64_t t = 0; t < L; t++) {
+                /* K is transposed inside a block-head: [dim][slot] (types.h) */
                 const char *kp = (const char *)a->k + (size_t)a->tables[b][t / bs] * g->block_bytes +
-                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                                 (size_t)kh * g->head_bytes;
                 double x = 0;
-                for (int i = 0; i < d; i++) x += AT(a->q, qo + i) * AT(kp, i);
+                for (int i = 0; i < d; i++) x += AT(a->q, qo + i) * AT(kp, (size_t)i * bs + t % bs);
                 s[t] = x * a->scale;
                 if (s[t] > mx) mx = s[t];
             }

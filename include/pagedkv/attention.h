@@ -25,10 +25,56 @@
 #endif
 
 typedef struct {
-    const void *cos, *sin; /* [max_pos][half], cache dtype */
+    const void *cos, *sin;     /* [max_pos][half], cache dtype (queries) */
+    const void *cos_t, *sin_t; /* the same transposed, [half][max_pos] (keys: a vector
+                                  takes consecutive positions, as K^T takes keys) */
     int64_t max_pos;
     int half; /* rotary_dim / 2 */
 } pkv_rope;
+
+/* Keys per tile: a work item folds its blocks this many keys at a time
+ * (one softmax step per tile and head; the score micro-kernel gathers its
+ * key vectors across the tile's blocks). */
+#define PKV_TILE_KEYS 64
+#define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
+
+/* blocks per tile, and the columns of a tile's score rows (>= its keys,
+ * a multiple of 16 so every vector width divides it) */
+static inline int pkv_tile_blocks(int bs) { return bs >= PKV_TILE_KEYS ? 1 : PKV_TILE_KEYS / bs; }
+static inline int pkv_tile_cols(int bs) {
+    return (pkv_tile_blocks(bs) * bs + 15) / 16 * 16;
+}
+
+/* One key vector of a tile: W consecutive keys' K^T at dimension 0 of lane
+ * 0 (the next dimension `stride` items on), int8 scales at group 0 of lane
+ * 0; lanes [lo, hi) are keys of the tile, lane l its column col + l. */
+typedef struct {
+    const void *k;
+    const float *sc;
+    int col, lo, hi;
+} pkv_kvec;
+
+/* Key vectors of one run (n keys from slot off of a K^T whose rows are
+ * `stride` items long, stride >= w): windows of w lanes that stay inside
+ * the row, the last one shifted back to end at the row's end if needed.
+ * Returns the number written to e. */
+static inline int pkv_kvecs_of(pkv_kvec *e, const void *kt, size_t item, const float *sc,
+                               size_t stride, int off, int n, int col, int w) {
+    int ne = 0;
+    for (int j0 = 0; j0 < n; j0 += w) {
+        size_t s = (size_t)(off + j0);
+        if (s + (size_t)w > stride) s = stride - (size_t)w;
+        const int lo = off + j0 - (int)s;
+        const int hi = off + n - (int)s < w ? off + n - (int)s : w;
+        e[ne].k = (const char *)kt + s * item;
+        e[ne].sc = sc ? sc + s : NULL;
+        e[ne].lo = lo;
+        e[ne].hi = hi;
+        e[ne].col = col + j0 - lo;
+        ne++;
+    }
+    return ne;
+}
 
 typedef struct {
     const void *k, *v;            /* K / V plane of one layer in block 0 (layout: types.h) */
@@ -65,15 +111,15 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
     return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
 }
 
-/* Bytes of scratch one thread needs.  The last region (kbuf) holds a block's
- * keys rotated by RoPE (bs * d), or int8's run dequantized for RoPE, or its
- * group-scaled weights of 4 rows (4 * bs * groups). */
+/* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,
+ * query rows, accumulators, alpha, a tile's scores (PKV_MAX_ROWS rows of
+ * pkv_tile_cols), and kbuf: a tile's keys rotated by RoPE, [d][tile cols]. */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
-    const size_t groups = (size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
+    const size_t cols = (size_t)pkv_tile_cols(bs);
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
-           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * bs * itemsize) +
-           PKV_ALIGN_UP((2 * (size_t)bs * d + 4 * (size_t)bs * groups) * itemsize) + PKV_ALIGN;
+           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) +
+           PKV_ALIGN_UP((size_t)d * cols * itemsize) + PKV_ALIGN;
 }
 
 #define PKV_CAT_(a, b) a##b
@@ -91,6 +137,8 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 /* ---- scalar ------------------------------------------------------------- */
 #define VEC T
 #define W 1
+#define PKV_SC_NV 2
+#define PKV_PV_NV 2
 #define VLOAD(p) (*(p))
 #define VSTORE(p, x) (*(p) = (x))
 #define VSET1(s) (s)
@@ -102,6 +150,7 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #define VMIN(a, b) ((a) < (b) ? (a) : (b))
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VREDUCE(x) (x)
+#define VHMAX(x) (x)
 #define VROUND(x) ((T)nearbyint(x))
 #define VSCALE2K(p, k) ((T)ldexp((double)(p), (int)(k)))
 #define LD_F32(p) ((T) * (p))
@@ -141,6 +190,17 @@ static inline float pkv_hsum256_ps(__m256 x) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+static inline float pkv_hmax256_ps(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline double pkv_hmax256_pd(__m256d x) {
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    s = _mm_max_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
 static inline double pkv_hsum256_pd(__m256d x) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
@@ -164,6 +224,8 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #define PKV_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC __m256
 #define W 8
+#define PKV_SC_NV 2
+#define PKV_PV_NV 2
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, x) _mm256_storeu_ps(p, x)
 #define VSET1(s) _mm256_set1_ps(s)
@@ -175,6 +237,7 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VREDUCE(x) pkv_hsum256_ps(x)
+#define VHMAX(x) pkv_hmax256_ps(x)
 #define VROUND(x) _mm256_round_ps(x, PKV_RN)
 #define VSCALE2K(p, k) pkv_scale2k256_ps(p, k)
 #define LD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -187,6 +250,8 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #include "attn_vocab_end.h"
 #define VEC __m256d
 #define W 4
+#define PKV_SC_NV 2
+#define PKV_PV_NV 2
 #define VLOAD(p) _mm256_loadu_pd(p)
 #define VSTORE(p, x) _mm256_storeu_pd(p, x)
 #define VSET1(s) _mm256_set1_pd(s)
@@ -198,6 +263,7 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #define VMIN(a, b) _mm256_min_pd(a, b)
 #define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
 #define VREDUCE(x) pkv_hsum256_pd(x)
+#define VHMAX(x) pkv_hmax256_pd(x)
 #define VROUND(x) _mm256_round_pd(x, PKV_RN)
 #define VSCALE2K(p, k) pkv_scale2k256_pd(p, k)
 #define LD_F32(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
@@ -215,6 +281,8 @@ PKV_TARGET_END
 PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VEC __m512
 #define W 16
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, x) _mm512_storeu_ps(p, x)
 #define VSET1(s) _mm512_set1_ps(s)
@@ -226,6 +294,7 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VMIN(a, b) _mm512_min_ps(a, b)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VREDUCE(x) _mm512_reduce_add_ps(x)
+#define VHMAX(x) _mm512_reduce_max_ps(x)
 #define VROUND(x) _mm512_roundscale_ps(x, PKV_RN)
 #define VSCALE2K(p, k) _mm512_scalef_ps(p, k)
 #define LD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -238,6 +307,8 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #include "attn_vocab_end.h"
 #define VEC __m512d
 #define W 8
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
 #define VLOAD(p) _mm512_loadu_pd(p)
 #define VSTORE(p, x) _mm512_storeu_pd(p, x)
 #define VSET1(s) _mm512_set1_pd(s)
@@ -249,6 +320,7 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VMIN(a, b) _mm512_min_pd(a, b)
 #define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define VREDUCE(x) _mm512_reduce_add_pd(x)
+#define VHMAX(x) _mm512_reduce_max_pd(x)
 #define VROUND(x) _mm512_roundscale_pd(x, PKV_RN)
 #define VSCALE2K(p, k) _mm512_scalef_pd(p, k)
 #define LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
@@ -306,6 +378,8 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 }
 #define VEC float32x4_t
 #define W 4
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
 #define VLOAD(p) vld1q_f32(p)
 #define VSTORE(p, x) vst1q_f32(p, x)
 #define VSET1(s) vdupq_n_f32(s)
@@ -317,6 +391,7 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VMIN(a, b) vminnmq_f32(a, b)
 #define VFMA(a, b, c) vfmaq_f32(c, a, b)
 #define VREDUCE(x) vaddvq_f32(x)
+#define VHMAX(x) vmaxnmvq_f32(x)
 #define VROUND(x) vrndnq_f32(x)
 #define VSCALE2K(p, k) pkv_scale2k_f32x4(p, k)
 #define LD_BF16(p) pkv_bf16x4_f32(vld1_u16(p))
@@ -329,6 +404,8 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #include "attn_vocab_end.h"
 #define VEC float64x2_t
 #define W 2
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
 #define VLOAD(p) vld1q_f64(p)
 #define VSTORE(p, x) vst1q_f64(p, x)
 #define VSET1(s) vdupq_n_f64(s)
@@ -340,6 +417,7 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VMIN(a, b) vminnmq_f64(a, b)
 #define VFMA(a, b, c) vfmaq_f64(c, a, b)
 #define VREDUCE(x) vaddvq_f64(x)
+#define VHMAX(x) vmaxnmvq_f64(x)
 #define VROUND(x) vrndnq_f64(x)
 #define VSCALE2K(p, k) pkv_scale2k_f64x2(p, k)
 #define LD_F32(p) vcvt_f64_f32(vld1_f32(p))

@@ -6,18 +6,30 @@
  *   S          storage type of K/V in the pool
  *   SLOAD(p)   W stored values at p -> VEC of the compute type
  *   SGET(p)    one stored value at p -> T
+ *   LDSC(p)    W float32 scales at p -> VEC of the compute type
  *   KFN(name)  name mangling per (storage, compute, ISA)
- *   PKV_STORE_IS_COMPUTE  1 when S is T (then attn_math.h's dot products serve)
- *   PKV_STORE_SCALED      1 for int8: its own score and value loops read the
- *              integers in place and apply each group's scale once per group;
- *              the softmax (and, with RoPE, the scores over keys dequantized
- *              into scratch) are the compute-type instance's, named CFN(name)
+ *   CFN(name)  the same function of the instance whose storage is the
+ *              compute type (keys rotated by RoPE are scored by it)
+ *   PKV_STORE_SCALED  1 for int8: every loaded vector is multiplied by its
+ *              group's scales (converted on load, like the other formats)
  *
  * A new storage format is a load vocabulary (SLOAD/SGET) plus an entry in
  * attention.h's instantiation list and dispatch table; nothing here changes.
  *
  * Layout (types.h): a->k / a->v point at the K / V plane of one layer in
- * block 0; each further block is a->block_stride bytes on.
+ * block 0; each further block is a->block_stride bytes on.  K is stored
+ * transposed inside a block-head ([dim][slot]), V row-major ([slot][dim]).
+ *
+ * ---- the micro-kernels ----------------------------------------------------
+ * Scores: a register tile of R query rows x NV key vectors (W keys each, the
+ * same dimension of consecutive keys, one vector load from K^T), walked
+ * down the head dimension: broadcast q[r][i], one vertical multiply-add per
+ * (row, key vector).  No horizontal sum anywhere.
+ * P.V: a register tile of R rows x NV dimension vectors of the output,
+ * walked over the keys of the tile: broadcast p[r][j], multiply-add the
+ * vector of V row j.
+ * Both tiles are sized so their accumulators and operands fit the
+ * registers of the instruction set (PKV_SC_NV, PKV_PV_NV in attention.h).
  */
 
 #ifndef PKV_STORE_SCALED
@@ -26,433 +38,379 @@
 #endif
 
 #if PKV_STORE_SCALED
-/* Dequantize n stored int8 rows (d values, then d / 32 rounded up scales
- * each) into dst [n][d] of the compute type: x = (T)q * (T)scale.  A vector
- * of W values starts at a multiple of W, which divides PKV_I8_GROUP, so it
- * lies in one group. */
-static inline void KFN(dequant_run)(T *restrict dst, const S *restrict src,
-                                    const float *restrict scales, int n, int d) {
-    const int ng = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
-    for (int j = 0; j < n; j++) {
-        const S *x = src + (size_t)j * d;
-        const float *sc = scales + (size_t)j * ng;
-        T *y = dst + (size_t)j * d;
-        int i = 0;
-        for (; i + W <= d; i += W) VSTORE(y + i, VMUL(SLOAD(x + i), VSET1((T)sc[i / PKV_I8_GROUP])));
-        for (; i < d; i++) y[i] = SGET(x + i) * (T)sc[i / PKV_I8_GROUP];
+#define PKV_KGROUP PKV_I8_GROUP
+#else
+#define PKV_KGROUP (1 << 30)
+#endif
+
+/* Scores of R rows x NV key vectors.  q[r] are the rows (scaled queries),
+ * e[v] the key vectors (pkv_kvec: K^T at dim 0 of lane 0, int8 scales at
+ * group 0 of lane 0), stride = items from one dimension to the next.  The
+ * results go to out[r * NV + v]. */
+#define PKV_SCORES_MK(NAME, R, NV)                                                          \
+    static inline void KFN(NAME)(const T *const *q, const pkv_kvec *e, size_t stride, \
+                                          int d, VEC *out) {                                \
+        VEC acc[R][NV];                                                                     \
+        const S *kp[NV];                                                                    \
+        for (int v = 0; v < NV; v++) kp[v] = (const S *)e[v].k;                             \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int v = 0; v < NV; v++) acc[r][v] = VZERO();                               \
+        for (int i0 = 0; i0 < d; i0 += PKV_KGROUP) {                                        \
+            const int i1 = d - i0 < PKV_KGROUP ? d : i0 + PKV_KGROUP;                       \
+            PKV_SC_GROUP_SCALES(NV)                                                         \
+            for (int i = i0; i < i1; i++) {                                                 \
+                VEC x[NV];                                                                  \
+                for (int v = 0; v < NV; v++) x[v] = PKV_SC_LOADK(kp[v] + (size_t)i * stride, v); \
+                for (int r = 0; r < R; r++) {                                               \
+                    const VEC qb = VSET1(q[r][i]);                                          \
+                    for (int v = 0; v < NV; v++) acc[r][v] = VFMA(qb, x[v], acc[r][v]);     \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int v = 0; v < NV; v++) out[r * NV + v] = acc[r][v];                       \
+    }
+
+#if PKV_STORE_SCALED
+#define PKV_SC_GROUP_SCALES(NV)                                                             \
+    VEC scv[NV];                                                                            \
+    for (int v = 0; v < NV; v++) scv[v] = LDSC(e[v].sc + (size_t)(i0 / PKV_I8_GROUP) * stride);
+#define PKV_SC_LOADK(p, v) VMUL(SLOAD(p), scv[v])
+#else
+#define PKV_SC_GROUP_SCALES(NV)
+#define PKV_SC_LOADK(p, v) SLOAD(p)
+#endif
+
+PKV_SCORES_MK(sc_4xn, 4, PKV_SC_NV)
+PKV_SCORES_MK(sc_4x1, 4, 1)
+PKV_SCORES_MK(sc_1xn, 1, PKV_SC_NV)
+PKV_SCORES_MK(sc_1x1, 1, 1)
+#undef PKV_SC_GROUP_SCALES
+#undef PKV_SC_LOADK
+
+/* Scatter a result vector's valid lanes [lo, hi) to row s at column col. */
+static inline void KFN(put_lanes)(T *restrict s, const pkv_kvec *e, VEC x) {
+    if (e->lo == 0 && e->hi == W) {
+        VSTORE(s + e->col, x);
+    } else {
+        T t[W];
+        VSTORE(t, x);
+        for (int l = e->lo; l < e->hi; l++) s[e->col + l] = t[l];
     }
 }
 
-/* Scores of rows[0, na) of q (one head) against n stored int8 keys, read in
- * place: per group of PKV_I8_GROUP dimensions the dot product with the raw
- * integers, times that group's scale.  The K run spans [at, at + span) of the
- * prefetch sequence. */
-static inline void KFN(i8_scores)(const T *restrict q, const int *rows, int na,
-                                  const S *restrict k, const float *restrict ksc, int n, int d,
-                                  T *restrict sbuf, pkv_prefetch *pf, size_t at, size_t span) {
-    const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
-    const size_t step = span / (size_t)n; /* bytes per key */
-    for (int j = 0; j < n; j++) {
-        pkv_pf_consumed(pf, at + step * (size_t)(j + 1));
-        const S *kj = k + (size_t)j * d;
-        const float *sj = ksc + (size_t)j * ngrp;
-        int a = 0;
-        for (; a + 4 <= na; a += 4) {
-            const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
-            const T *q2 = q + (size_t)rows[a + 2] * d, *q3 = q + (size_t)rows[a + 3] * d;
-            VEC t0 = VZERO(), t1 = VZERO(), t2 = VZERO(), t3 = VZERO();
-            T u0 = 0, u1 = 0, u2 = 0, u3 = 0; /* scalar tails */
-            for (int g = 0, i = 0; g < ngrp; g++) {
-                const int end = (g + 1) * PKV_I8_GROUP < d ? (g + 1) * PKV_I8_GROUP : d;
-                VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-                for (; i + W <= end; i += W) {
-                    const VEC x = SLOAD(kj + i);
-                    a0 = VFMA(VLOAD(q0 + i), x, a0);
-                    a1 = VFMA(VLOAD(q1 + i), x, a1);
-                    a2 = VFMA(VLOAD(q2 + i), x, a2);
-                    a3 = VFMA(VLOAD(q3 + i), x, a3);
-                }
-                const T sg = (T)sj[g];
-                const VEC vs = VSET1(sg);
-                t0 = VFMA(a0, vs, t0);
-                t1 = VFMA(a1, vs, t1);
-                t2 = VFMA(a2, vs, t2);
-                t3 = VFMA(a3, vs, t3);
-                for (; i < end; i++) {
-                    const T x = SGET(kj + i) * sg;
-                    u0 += q0[i] * x;
-                    u1 += q1[i] * x;
-                    u2 += q2[i] * x;
-                    u3 += q3[i] * x;
-                }
-            }
-            sbuf[(size_t)(a + 0) * n + j] = VREDUCE(t0) + u0;
-            sbuf[(size_t)(a + 1) * n + j] = VREDUCE(t1) + u1;
-            sbuf[(size_t)(a + 2) * n + j] = VREDUCE(t2) + u2;
-            sbuf[(size_t)(a + 3) * n + j] = VREDUCE(t3) + u3;
+/* Scores of rows[0, na) of q (one head, rows d apart) against the key
+ * vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
+ * group of two or three repeats its first row and drops the extra results:
+ * one pass over the keys costs less than a pass per row); a single row
+ * (multi-head attention decode) has its own tile. */
+static inline void KFN(tile_scores)(const T *restrict q, const int *rows, int na,
+                                    const pkv_kvec *e, int ne, size_t stride, int d,
+                                    T *restrict sbuf, int ldc) {
+    VEC res[4 * PKV_SC_NV];
+    if (na == 1) {
+        const T *qr = q + (size_t)rows[0] * d;
+        int v = 0;
+        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+            KFN(sc_1xn)(&qr, e + v, stride, d, res);
+            for (int u = 0; u < PKV_SC_NV; u++) KFN(put_lanes)(sbuf, e + v + u, res[u]);
         }
-        for (; a < na; a++) {
-            const T *q0 = q + (size_t)rows[a] * d;
-            VEC t0 = VZERO();
-            T u0 = 0;
-            for (int g = 0, i = 0; g < ngrp; g++) {
-                const int end = (g + 1) * PKV_I8_GROUP < d ? (g + 1) * PKV_I8_GROUP : d;
-                VEC a0 = VZERO();
-                for (; i + W <= end; i += W) a0 = VFMA(VLOAD(q0 + i), SLOAD(kj + i), a0);
-                const T sg = (T)sj[g];
-                t0 = VFMA(a0, VSET1(sg), t0);
-                for (; i < end; i++) u0 += q0[i] * (SGET(kj + i) * sg);
-            }
-            sbuf[(size_t)a * n + j] = VREDUCE(t0) + u0;
+        for (; v < ne; v++) {
+            KFN(sc_1x1)(&qr, e + v, stride, d, res);
+            KFN(put_lanes)(sbuf, e + v, res[0]);
         }
+        return;
     }
-    pkv_pf_consumed(pf, at + span);
-}
-
-/* acc rows (one head) = acc * alpha + P . V over n stored int8 values, read in
- * place: the weights are scaled per group first (pw [rows][group][n] in
- * scratch: p[j] * scale of value j's group), so the inner loop is the float
- * one with a converting load. */
-static inline void KFN(i8_values)(T *restrict acc, const int *rows, int na, const T *restrict p,
-                                  const T *restrict alpha, const S *restrict v,
-                                  const float *restrict vsc, int n, int d, T *restrict pw,
-                                  pkv_prefetch *pf, size_t at, size_t span) {
-    const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
-    const size_t step = span / (size_t)d; /* bytes per dimension of the run */
     for (int a = 0; a < na; a += 4) {
         const int nr = na - a < 4 ? na - a : 4;
-        for (int r = 0; r < nr; r++)
-            for (int g = 0; g < ngrp; g++)
-                for (int j = 0; j < n; j++)
-                    pw[((size_t)r * ngrp + g) * n + j] =
-                        p[(size_t)(a + r) * n + j] * (T)vsc[(size_t)j * ngrp + g];
-        if (nr == 4) {
-            T *y0 = acc + (size_t)rows[a] * d, *y1 = acc + (size_t)rows[a + 1] * d;
-            T *y2 = acc + (size_t)rows[a + 2] * d, *y3 = acc + (size_t)rows[a + 3] * d;
-            const VEC al0 = VSET1(alpha[a]), al1 = VSET1(alpha[a + 1]);
-            const VEC al2 = VSET1(alpha[a + 2]), al3 = VSET1(alpha[a + 3]);
-            int i = 0;
-            for (; i + W <= d; i += W) {
-                if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(i + W));
-                const size_t g = (size_t)(i / PKV_I8_GROUP);
-                const T *p0 = pw + g * n, *p1 = pw + (ngrp + g) * n;
-                const T *p2 = pw + (2 * ngrp + g) * n, *p3 = pw + (3 * ngrp + g) * n;
-                VEC a0 = VMUL(VLOAD(y0 + i), al0), a1 = VMUL(VLOAD(y1 + i), al1);
-                VEC a2 = VMUL(VLOAD(y2 + i), al2), a3 = VMUL(VLOAD(y3 + i), al3);
-                for (int j = 0; j < n; j++) {
-                    const VEC x = SLOAD(v + (size_t)j * d + i);
-                    a0 = VFMA(VSET1(p0[j]), x, a0);
-                    a1 = VFMA(VSET1(p1[j]), x, a1);
-                    a2 = VFMA(VSET1(p2[j]), x, a2);
-                    a3 = VFMA(VSET1(p3[j]), x, a3);
-                }
-                VSTORE(y0 + i, a0);
-                VSTORE(y1 + i, a1);
-                VSTORE(y2 + i, a2);
-                VSTORE(y3 + i, a3);
-            }
-            for (; i < d; i++) {
-                const size_t g = (size_t)(i / PKV_I8_GROUP);
-                T b0 = y0[i] * alpha[a], b1 = y1[i] * alpha[a + 1];
-                T b2 = y2[i] * alpha[a + 2], b3 = y3[i] * alpha[a + 3];
-                for (int j = 0; j < n; j++) {
-                    const T x = SGET(v + (size_t)j * d + i);
-                    b0 += pw[g * n + j] * x;
-                    b1 += pw[(ngrp + g) * n + j] * x;
-                    b2 += pw[(2 * ngrp + g) * n + j] * x;
-                    b3 += pw[(3 * ngrp + g) * n + j] * x;
-                }
-                y0[i] = b0;
-                y1[i] = b1;
-                y2[i] = b2;
-                y3[i] = b3;
-            }
-        } else {
-            for (int r = 0; r < nr; r++) {
-                T *y = acc + (size_t)rows[a + r] * d;
-                const VEC al = VSET1(alpha[a + r]);
-                int i = 0;
-                for (; i + W <= d; i += W) {
-                    const T *pr = pw + ((size_t)r * ngrp + (size_t)(i / PKV_I8_GROUP)) * n;
-                    VEC b = VMUL(VLOAD(y + i), al);
-                    for (int j = 0; j < n; j++) b = VFMA(VSET1(pr[j]), SLOAD(v + (size_t)j * d + i), b);
-                    VSTORE(y + i, b);
-                }
-                for (; i < d; i++) {
-                    const T *pr = pw + ((size_t)r * ngrp + (size_t)(i / PKV_I8_GROUP)) * n;
-                    T b = y[i] * alpha[a + r];
-                    for (int j = 0; j < n; j++) b += pr[j] * SGET(v + (size_t)j * d + i);
-                    y[i] = b;
-                }
-            }
+        const T *qr[4];
+        for (int r = 0; r < 4; r++) qr[r] = q + (size_t)rows[a + (r < nr ? r : 0)] * d;
+        int v = 0;
+        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+            KFN(sc_4xn)(qr, e + v, stride, d, res);
+            for (int r = 0; r < nr; r++)
+                for (int u = 0; u < PKV_SC_NV; u++)
+                    KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
         }
-    }
-    pkv_pf_consumed(pf, at + span);
-}
-#else
-
-#if PKV_STORE_IS_COMPUTE
-#define KDOT(name) FN(name)
-#else
-#define KT S
-#define KLOAD(p) SLOAD(p)
-#define KGET(p) SGET(p)
-#define DOTFN(name) KFN(name)
-#include "attn_dot.h"
-#define KDOT(name) KFN(name)
-#endif
-
-/* One stored key rotated by RoPE at rank `pos`, in the compute type. */
-static inline void KFN(rope_key)(T *restrict dst, const S *restrict src, const pkv_rope *rope,
-                                 int64_t pos, int d) {
-#if PKV_STORE_IS_COMPUTE
-    FN(rope_one)(dst, src, rope, pos, d);
-#else
-    for (int i = 0; i < d; i++) dst[i] = SGET(src + i);
-    FN(rope_one)(dst, dst, rope, pos, d);
-#endif
-}
-
-/* y_r = y_r * alpha_r + sum_j p_r[j] * x[j]  for rows r < 4 (p_r = p + r * ps),
- * j < n; x rows are d long.  Each x vector is loaded once for four rows.  x spans
- * [at, at + span) of the prefetch sequence (pf NULL: no prefetching). */
-static inline void KFN(pv4)(T *restrict y, int yd, const T *restrict alpha, const T *restrict p,
-                           int ps, const S *restrict x, int n, int d, pkv_prefetch *pf,
-                           size_t at, size_t span) {
-    int i = 0;
-    T *y0 = y, *y1 = y + yd, *y2 = y + 2 * (size_t)yd, *y3 = y + 3 * (size_t)yd;
-    const T *p0 = p, *p1 = p + ps, *p2 = p + 2 * ps, *p3 = p + 3 * ps;
-    const VEC al0 = VSET1(alpha[0]), al1 = VSET1(alpha[1]), al2 = VSET1(alpha[2]),
-              al3 = VSET1(alpha[3]);
-    const size_t step = span / (size_t)d; /* bytes per dimension of the run */
-    for (; i + 2 * W <= d; i += 2 * W) {
-        if (pf) pkv_pf_consumed(pf, at + step * (size_t)(i + 2 * W));
-        VEC a0 = VMUL(VLOAD(y0 + i), al0), b0 = VMUL(VLOAD(y0 + i + W), al0);
-        VEC a1 = VMUL(VLOAD(y1 + i), al1), b1 = VMUL(VLOAD(y1 + i + W), al1);
-        VEC a2 = VMUL(VLOAD(y2 + i), al2), b2 = VMUL(VLOAD(y2 + i + W), al2);
-        VEC a3 = VMUL(VLOAD(y3 + i), al3), b3 = VMUL(VLOAD(y3 + i + W), al3);
-        for (int j = 0; j < n; j++) {
-            const VEC x0 = SLOAD(x + (size_t)j * d + i), x1 = SLOAD(x + (size_t)j * d + i + W);
-            VEC pj = VSET1(p0[j]);
-            a0 = VFMA(pj, x0, a0);
-            b0 = VFMA(pj, x1, b0);
-            pj = VSET1(p1[j]);
-            a1 = VFMA(pj, x0, a1);
-            b1 = VFMA(pj, x1, b1);
-            pj = VSET1(p2[j]);
-            a2 = VFMA(pj, x0, a2);
-            b2 = VFMA(pj, x1, b2);
-            pj = VSET1(p3[j]);
-            a3 = VFMA(pj, x0, a3);
-            b3 = VFMA(pj, x1, b3);
+        for (; v < ne; v++) {
+            KFN(sc_4x1)(qr, e + v, stride, d, res);
+            for (int r = 0; r < nr; r++) KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v, res[r]);
         }
-        VSTORE(y0 + i, a0);
-        VSTORE(y0 + i + W, b0);
-        VSTORE(y1 + i, a1);
-        VSTORE(y1 + i + W, b1);
-        VSTORE(y2 + i, a2);
-        VSTORE(y2 + i + W, b2);
-        VSTORE(y3 + i, a3);
-        VSTORE(y3 + i + W, b3);
-    }
-    for (; i + W <= d; i += W) {
-        VEC a0 = VMUL(VLOAD(y0 + i), al0), a1 = VMUL(VLOAD(y1 + i), al1);
-        VEC a2 = VMUL(VLOAD(y2 + i), al2), a3 = VMUL(VLOAD(y3 + i), al3);
-        for (int j = 0; j < n; j++) {
-            const VEC x0 = SLOAD(x + (size_t)j * d + i);
-            a0 = VFMA(VSET1(p0[j]), x0, a0);
-            a1 = VFMA(VSET1(p1[j]), x0, a1);
-            a2 = VFMA(VSET1(p2[j]), x0, a2);
-            a3 = VFMA(VSET1(p3[j]), x0, a3);
-        }
-        VSTORE(y0 + i, a0);
-        VSTORE(y1 + i, a1);
-        VSTORE(y2 + i, a2);
-        VSTORE(y3 + i, a3);
-    }
-    for (; i < d; i++) {
-        T a0 = y0[i] * alpha[0], a1 = y1[i] * alpha[1], a2 = y2[i] * alpha[2], a3 = y3[i] * alpha[3];
-        for (int j = 0; j < n; j++) {
-            const T xv = SGET(x + (size_t)j * d + i);
-            a0 += p0[j] * xv;
-            a1 += p1[j] * xv;
-            a2 += p2[j] * xv;
-            a3 += p3[j] * xv;
-        }
-        y0[i] = a0;
-        y1[i] = a1;
-        y2[i] = a2;
-        y3[i] = a3;
     }
 }
 
-/* y = y * alpha + sum_j p[j] * x[j*d : j*d+d]  for j < n (one row) */
-static inline void KFN(scale_axpy_n)(T *restrict y, T alpha, const T *restrict p,
-                                    const S *restrict x, int n, int d) {
-    int i = 0;
-    const VEC va = VSET1(alpha);
-    for (; i + 2 * W <= d; i += 2 * W) {
-        VEC y0 = VMUL(VLOAD(y + i), va), y1 = VMUL(VLOAD(y + i + W), va);
-        for (int j = 0; j < n; j++) {
-            const VEC pj = VSET1(p[j]);
-            y0 = VFMA(pj, SLOAD(x + (size_t)j * d + i), y0);
-            y1 = VFMA(pj, SLOAD(x + (size_t)j * d + i + W), y1);
-        }
-        VSTORE(y + i, y0);
-        VSTORE(y + i + W, y1);
-    }
-    for (; i + W <= d; i += W) {
-        VEC y0 = VMUL(VLOAD(y + i), va);
-        for (int j = 0; j < n; j++) y0 = VFMA(VSET1(p[j]), SLOAD(x + (size_t)j * d + i), y0);
-        VSTORE(y + i, y0);
-    }
-    for (; i < d; i++) {
-        T acc = y[i] * alpha;
-        for (int j = 0; j < n; j++) acc += p[j] * SGET(x + (size_t)j * d + i);
-        y[i] = acc;
-    }
-}
-
-/* q . key j of a run (see fold_run for k and k_rotated) */
-static inline T KFN(score)(const T *restrict q, const void *k, int k_rotated, int j, int d) {
-    if (k_rotated) return FN(dot)(q, (const T *)k + (size_t)j * d, d);
-    return KDOT(dot)(q, (const S *)k + (size_t)j * d, d);
-}
-
-/* ---- online softmax over the blocks of a work item ------------------------
- * A run is n keys of ranks [r, r + n) of one block (n <= bs), stored
- * contiguously per head.  A work item folds a run into the running state
- * (m, l, acc) of its query rows in three phases over all its heads:
- *
- *   K phase   scores of every head's rows against its keys, head after head:
- *             the item reads the block's K run of its heads front to back
- *   softmax   per row: new max, rescale factor alpha, exp of the scores
- *   V phase   acc = acc * alpha + P . V, head after head: the V run front
- *             to back
- *
- * so memory sees two long runs per block, and the prefetch cursor
- * (kvread.h), told the offset consumed, keeps PKV_PF_AHEAD bytes in flight
- * across the jump to the next block.  Row i of a head sees only ranks
- * <= lim[i]; rows[0, na) are the rows that see rank r at all.  Scores go to
- * sbuf [head][na][n], alpha to [head][na].
- *
- * Measured on an AVX2 EPYC (benchmarks/c/decode_ceiling.c, f32 B=8 L=2048,
- * 1 thread, CPU time paired per round): the former order (K then V of each
- * head in turn, prefetching the next head's runs into L1 spread over the
- * score loop) 50-58% of the pattern read, this one 60-72%; f64 44-46% ->
- * 66%.  Splitting one sequence over 2 threads by key chunks instead of by
- * head groups made no difference there (head groups kept: no merge).
- */
-
-/* Scores of rows[0, na) of q (one head) against the run's n keys; the K run
- * consumed spans [at, at + span) of the prefetch sequence. */
-static inline void KFN(run_scores)(const T *restrict q, const int *rows, int na, const void *k,
-                                   int k_rotated, int n, int d, T *restrict sbuf,
-                                   pkv_prefetch *pf, size_t at, size_t span) {
-    const S *ks = (const S *)k;
-    const T *kt = (const T *)k;
-    const size_t step = span / (size_t)n; /* bytes per key (no division in the loop) */
-    int a = 0;
-    for (; a + 4 <= na; a += 4) {
-        const T *q0 = q + (size_t)rows[a] * d, *q1 = q + (size_t)rows[a + 1] * d;
-        const T *q2 = q + (size_t)rows[a + 2] * d, *q3 = q + (size_t)rows[a + 3] * d;
-        int j = 0;
-        for (; j + 2 <= n; j += 2) {
-            T t[8];
-            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 2));
-            if (k_rotated)
-                FN(dot4x2)(q0, q1, q2, q3, kt + (size_t)j * d, kt + (size_t)(j + 1) * d, d, t);
-            else
-                KDOT(dot4x2)(q0, q1, q2, q3, ks + (size_t)j * d, ks + (size_t)(j + 1) * d, d, t);
-            for (int rr = 0; rr < 4; rr++) {
-                sbuf[(size_t)(a + rr) * n + j] = t[2 * rr];
-                sbuf[(size_t)(a + rr) * n + j + 1] = t[2 * rr + 1];
-            }
-        }
-        for (; j < n; j++) {
-            sbuf[(size_t)(a + 0) * n + j] = KFN(score)(q0, k, k_rotated, j, d);
-            sbuf[(size_t)(a + 1) * n + j] = KFN(score)(q1, k, k_rotated, j, d);
-            sbuf[(size_t)(a + 2) * n + j] = KFN(score)(q2, k, k_rotated, j, d);
-            sbuf[(size_t)(a + 3) * n + j] = KFN(score)(q3, k, k_rotated, j, d);
-        }
-    }
-    for (; a < na; a++) {
+/* Scores of one key at a time, for blocks narrower than a vector (bs < W):
+ * key slot j of K^T kt is kt[i * stride + j]. */
+static inline void KFN(narrow_scores)(const T *restrict q, const int *rows, int na,
+                                      const S *restrict kt, const float *restrict ksc,
+                                      size_t stride, int off, int n, int col, int d,
+                                      T *restrict sbuf, int ldc) {
+    for (int a = 0; a < na; a++) {
         const T *qi = q + (size_t)rows[a] * d;
-        for (int j = 0; j < n; j++) {
-            if (a == 0) pkv_pf_consumed(pf, at + step * (size_t)(j + 1));
-            sbuf[(size_t)a * n + j] = KFN(score)(qi, k, k_rotated, j, d);
+        for (int j = off; j < off + n; j++) {
+            T s = 0;
+#if PKV_STORE_SCALED
+            for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {
+                const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;
+                T g = 0;
+                for (int i = i0; i < i1; i++) g += qi[i] * SGET(kt + (size_t)i * stride + j);
+                s += g * (T)ksc[(size_t)(i0 / PKV_I8_GROUP) * stride + j];
+            }
+#else
+            (void)ksc;
+            for (int i = 0; i < d; i++) s += qi[i] * SGET(kt + (size_t)i * stride + j);
+#endif
+            sbuf[(size_t)a * ldc + col + (j - off)] = s;
         }
     }
-    pkv_pf_consumed(pf, at + span);
 }
 
-/* Softmax step of rows[0, na) (one head) over the run's scores s [na][n]. */
-static inline void KFN(run_softmax)(T *restrict s, const int *rows, int na, const int64_t *lim,
-                                    int64_t r, int n, double *m, double *l, T *restrict alpha) {
-    for (int a = 0; a < na; a++, s += n) {
+/* One run of a tile: n keys from slot `off` of one block-head. */
+typedef struct {
+    const S *k, *v;          /* K^T / V of the head in the block (slot 0) */
+    const float *ksc, *vsc;  /* int8: the head's scales in the block ([group][slot]) */
+    int off, n, col;         /* slots [off, off + n) -> tile columns [col, col + n) */
+} KFN(run_t);
+
+/* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]. */
+#define PKV_PV_MK(NAME, R, NV)                                                              \
+    static inline void KFN(NAME)(T *const *y, const T *alpha, const T *const *p,   \
+                                          const KFN(run_t) *runs, int nr, size_t bs, int d, \
+                                          int i) {                                          \
+        VEC acc[R][NV];                                                                     \
+        for (int r = 0; r < R; r++) {                                                       \
+            const VEC al = VSET1(alpha[r]);                                                 \
+            for (int v = 0; v < NV; v++) acc[r][v] = VMUL(VLOAD(y[r] + i + v * W), al);     \
+        }                                                                                   \
+        for (int u = 0; u < nr; u++) {                                                      \
+            const S *vr = runs[u].v + (size_t)runs[u].off * d + i;                          \
+            const int n = runs[u].n, col = runs[u].col;                                     \
+            PKV_PV_SCALES(NV)                                                               \
+            for (int j = 0; j < n; j++) {                                                   \
+                VEC x[NV];                                                                  \
+                for (int v = 0; v < NV; v++) x[v] = PKV_PV_LOADV(vr + (size_t)j * d + v * W, v, j); \
+                for (int r = 0; r < R; r++) {                                               \
+                    const VEC pb = VSET1(p[r][col + j]);                                    \
+                    for (int v = 0; v < NV; v++) acc[r][v] = VFMA(pb, x[v], acc[r][v]);     \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int v = 0; v < NV; v++) VSTORE(y[r] + i + v * W, acc[r][v]);               \
+    }
+
+#if PKV_STORE_SCALED
+/* a vector of W dimensions lies in one scale group (W divides PKV_I8_GROUP) */
+#define PKV_PV_SCALES(NV)                                                                   \
+    const float *vs[NV];                                                                    \
+    for (int v = 0; v < NV; v++)                                                            \
+        vs[v] = runs[u].vsc + (size_t)((i + v * W) / PKV_I8_GROUP) * bs + runs[u].off;
+#define PKV_PV_LOADV(p, v, j) VMUL(SLOAD(p), VSET1((T)vs[v][j]))
+#else
+#define PKV_PV_SCALES(NV) (void)bs;
+#define PKV_PV_LOADV(p, v, j) SLOAD(p)
+#endif
+
+PKV_PV_MK(pv_4xn, 4, PKV_PV_NV)
+PKV_PV_MK(pv_4x1, 4, 1)
+PKV_PV_MK(pv_1xn, 1, PKV_PV_NV)
+PKV_PV_MK(pv_1x1, 1, 1)
+#undef PKV_PV_SCALES
+#undef PKV_PV_LOADV
+
+/* one stored V value as T (dimension i of slot j of a run) */
+static inline T KFN(vget)(const KFN(run_t) *u, int j, int i, size_t bs, int d) {
+    const T x = SGET(u->v + (size_t)(u->off + j) * d + i);
+#if PKV_STORE_SCALED
+    return x * (T)u->vsc[(size_t)(i / PKV_I8_GROUP) * bs + u->off + j];
+#else
+    (void)bs;
+    return x;
+#endif
+}
+
+/* acc rows = acc * alpha + P . V over the tile's runs; rows as in
+ * tile_scores (a short last group writes its extra rows to `spare`, d
+ * values of scratch). */
+static inline void KFN(tile_values)(T *restrict acc, const int *rows, int na,
+                                    const T *restrict p, int ldc, const T *restrict alpha,
+                                    const KFN(run_t) *runs, int nr, size_t bs, int d,
+                                    T *restrict spare) {
+    for (int a = 0; a < na; a += 4) {
+        const int R = na == 1 ? 1 : 4, nr4 = na - a < 4 ? na - a : 4;
+        T *y[4];
+        const T *pr[4];
+        T al[4];
+        for (int r = 0; r < R; r++) {
+            if (r < nr4) {
+                y[r] = acc + (size_t)rows[a + r] * d;
+                pr[r] = p + (size_t)(a + r) * ldc;
+                al[r] = alpha[a + r];
+            } else {
+                y[r] = spare;
+                pr[r] = p + (size_t)a * ldc;
+                al[r] = 0;
+            }
+        }
+        if (nr4 < R) memset(spare, 0, sizeof(T) * (size_t)d);
+        int i = 0;
+        if (R == 4) {
+            for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
+                KFN(pv_4xn)(y, al, pr, runs, nr, bs, d, i);
+            for (; i + W <= d; i += W) KFN(pv_4x1)(y, al, pr, runs, nr, bs, d, i);
+        } else {
+            for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
+                KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i);
+            for (; i + W <= d; i += W) KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i);
+        }
+        for (; i < d; i++) /* dimensions past the last whole vector */
+            for (int r = 0; r < nr4; r++) {
+                T s = y[r][i] * al[r];
+                for (int u = 0; u < nr; u++)
+                    for (int j = 0; j < runs[u].n; j++)
+                        s += pr[r][runs[u].col + j] * KFN(vget)(runs + u, j, i, bs, d);
+                y[r][i] = s;
+            }
+    }
+}
+
+/* The tile's keys of one head rotated by RoPE at ranks r0 + column, into
+ * kbuf [d][ks] of the compute type (ks >= the tile's keys, a multiple of W). */
+static inline void KFN(rope_tile)(T *restrict kbuf, int ks, const KFN(run_t) *runs, int nr,
+                                  size_t bs, int64_t r0, const pkv_rope *rope, int d) {
+    const int half = rope->half;
+    const int64_t mp = rope->max_pos;
+    const T *ct = (const T *)rope->cos_t, *st = (const T *)rope->sin_t;
+    for (int u = 0; u < nr; u++) {
+        const KFN(run_t) *ru = runs + u;
+        const int n = ru->n;
+        for (int i = 0; i < d; i++) {
+            if (i >= half && i < 2 * half) continue; /* written with their partner i - half */
+            const S *x0 = ru->k + (size_t)i * bs + ru->off;
+            T *y0 = kbuf + (size_t)i * ks + ru->col;
+#if PKV_STORE_SCALED
+            const float *s0 = ru->ksc + (size_t)(i / PKV_I8_GROUP) * bs + ru->off;
+#define PKV_KX(p, sp, j) VMUL(SLOAD((p) + (j)), LDSC((sp) + (j)))
+#define PKV_KXS(p, sp, j) (SGET((p) + (j)) * (T)(sp)[j])
+#else
+            const float *s0 = NULL;
+            (void)s0;
+#define PKV_KX(p, sp, j) SLOAD((p) + (j))
+#define PKV_KXS(p, sp, j) SGET((p) + (j))
+#endif
+            if (i >= half) { /* past the rotary dimensions: copied */
+                int j = 0;
+                for (; j + W <= n; j += W) VSTORE(y0 + j, PKV_KX(x0, s0, j));
+                for (; j < n; j++) y0[j] = PKV_KXS(x0, s0, j);
+                continue;
+            }
+            const S *x1 = x0 + (size_t)half * bs;
+            T *y1 = y0 + (size_t)half * ks;
+#if PKV_STORE_SCALED
+            const float *s1 = ru->ksc + (size_t)((i + half) / PKV_I8_GROUP) * bs + ru->off;
+#else
+            const float *s1 = NULL;
+            (void)s1;
+#endif
+            const T *c = ct + (size_t)i * mp + r0 + ru->col;
+            const T *s = st + (size_t)i * mp + r0 + ru->col;
+            int j = 0;
+            for (; j + W <= n; j += W) {
+                const VEC a = PKV_KX(x0, s0, j), b = PKV_KX(x1, s1, j);
+                const VEC cv = VLOAD(c + j), sv = VLOAD(s + j);
+                VSTORE(y0 + j, VSUB(VMUL(a, cv), VMUL(b, sv)));
+                VSTORE(y1 + j, VFMA(a, sv, VMUL(b, cv)));
+            }
+            for (; j < n; j++) {
+                const T a = PKV_KXS(x0, s0, j), b = PKV_KXS(x1, s1, j);
+                y0[j] = a * c[j] - b * s[j];
+                y1[j] = b * c[j] + a * s[j];
+            }
+#undef PKV_KX
+#undef PKV_KXS
+        }
+    }
+}
+
+/* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
+ * long, stride >= W) into sh [na][ldc].  Key vectors are gathered across
+ * runs so a register tile takes PKV_SC_NV of them even when a block holds
+ * one vector's worth of keys; after each batch the cursor (pf; NULL: none)
+ * hears that the runs done so far (hstride bytes each from k_at) are read. */
+static inline void KFN(score_runs)(const T *restrict qh, const int *rows, int na,
+                                   const KFN(run_t) *runs, int cnt, size_t stride, int d,
+                                   T *restrict sh, int ldc, pkv_prefetch *pf, size_t k_at,
+                                   size_t hstride) {
+    pkv_kvec ents[PKV_MAX_KVECS];
+    int ne = 0;
+    for (int u = 0; u < cnt; u++) {
+        for (int p0 = 0; p0 < runs[u].n; p0 += PKV_TILE_KEYS) {
+            const int n = runs[u].n - p0 < PKV_TILE_KEYS ? runs[u].n - p0 : PKV_TILE_KEYS;
+            if (ne + PKV_TILE_KEYS / W + 1 > PKV_MAX_KVECS) {
+                KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc);
+                ne = 0;
+            }
+            ne += pkv_kvecs_of(ents + ne, runs[u].k, sizeof(S), runs[u].ksc, stride,
+                               runs[u].off + p0, n, runs[u].col + p0, W);
+        }
+        if (ne >= PKV_SC_NV) { /* whole register tiles now, the rest joins the next run */
+            const int nb = ne / PKV_SC_NV * PKV_SC_NV;
+            KFN(tile_scores)(qh, rows, na, ents, nb, stride, d, sh, ldc);
+            for (int x = nb; x < ne; x++) ents[x - nb] = ents[x];
+            ne -= nb;
+            if (pf) pkv_pf_consumed(pf, k_at + (size_t)(u + 1) * hstride);
+        }
+    }
+    if (ne) KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc);
+}
+
+/* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
+ * (n columns at ranks r, r + 1, ...). */
+static inline void KFN(tile_softmax)(T *restrict s, int ldc, const int *rows, int na,
+                                     const int64_t *lim, int64_t r, int n, double *m, double *l,
+                                     T *restrict alpha) {
+    for (int a = 0; a < na; a++, s += ldc) {
         const int i = rows[a];
         const int64_t c64 = lim[i] - r + 1;
         const int cnt = c64 < n ? (int)c64 : n;
-        T mx = s[0];
-        for (int j = 1; j < cnt; j++) mx = s[j] > mx ? s[j] : mx;
+        const T mx = FN(row_max)(s, cnt);
         const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
         const T al = m[i] == -INFINITY ? (T)0 : FN(sexp)((T)(m[i] - m_new));
         const double psum = FN(exp_shift)(s, cnt, (T)m_new);
-        for (int j = cnt; j < n; j++) s[j] = 0;  /* causally masked */
+        for (int j = cnt; j < n; j++) s[j] = 0; /* causally masked */
         l[i] = l[i] * (double)al + psum;
         m[i] = m_new;
         alpha[a] = al;
     }
 }
 
-/* acc rows (one head) = acc * alpha + P . V over the run's n values. */
-static inline void KFN(run_values)(T *restrict acc, const int *rows, int na, const T *restrict p,
-                                   const T *restrict alpha, const S *restrict v, int n, int d,
-                                   pkv_prefetch *pf, size_t at, size_t span) {
-    int a = 0;
-    for (; a + 4 <= na; a += 4) {
-        /* rows[a..a+3] are consecutive in the common case; fall back otherwise */
-        if (rows[a + 3] == rows[a] + 3) {
-            KFN(pv4)(acc + (size_t)rows[a] * d, d, alpha + a, p + (size_t)a * n, n, v, n, d,
-                     a == 0 ? pf : NULL, at, span);
-        } else {
-            for (int b = a; b < a + 4; b++)
-                KFN(scale_axpy_n)(acc + (size_t)rows[b] * d, alpha[b], p + (size_t)b * n, v, n, d);
-        }
-    }
-    for (; a < na; a++)
-        KFN(scale_axpy_n)(acc + (size_t)rows[a] * d, alpha[a], p + (size_t)a * n, v, n, d);
-    pkv_pf_consumed(pf, at + span);
-}
-
-#endif /* !PKV_STORE_SCALED */
-
 /* One work item: kv heads [h0, h0 + nh) of sequence s against their query
  * rows over held ranks [rbeg, rend).  Rows are laid out head-major: head hh
  * owns rows [hh * nqh, (hh + 1) * nqh) of q / acc / m / l, and row i of every
- * head sees ranks <= lim[i].  The heads of one block are adjacent in the pool
- * (HND), so an item reads each block as one contiguous run per K and V. */
+ * head sees ranks <= lim[i].
+ *
+ * The item's blocks (each with the run of held slots it contributes) are
+ * taken a tile of PKV_TILE_KEYS keys at a time; for each head of the item:
+ * scores of its rows against the tile's keys (K of the tile's blocks), one
+ * softmax step, P.V (V of the tile's blocks).  The prefetch cursor
+ * (kvread.h) walks the same order. */
 static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
-                            const T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
-                            int64_t rend, T *restrict acc, double *m, double *l,
-                            T *restrict sbuf, T *restrict kbuf, T *restrict alpha) {
+                             const T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
+                             int64_t rend, T *restrict acc, double *m, double *l,
+                             T *restrict sbuf, T *restrict kbuf, T *restrict alpha) {
     const int bs = a->bs, d = a->d;
-    const size_t row = sizeof(S) * (size_t)d; /* bytes of one stored head vector */
-    const size_t hstride = (size_t)bs * row;  /* one head of a block */
-    const size_t run = (size_t)nh * hstride;  /* the item's heads of a block */
-    const size_t bstride = a->block_stride;   /* one block */
+    const size_t hstride = (size_t)bs * d * sizeof(S); /* one head of a block */
+    const size_t bstride = a->block_stride;             /* one block */
     const char *kb = (const char *)a->k + (size_t)h0 * hstride;
     const char *vb = (const char *)a->v + (size_t)h0 * hstride;
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
     const int nq = nh * nqh;
+    const int tb = pkv_tile_blocks(bs), ldc = pkv_tile_cols(bs);
 #if PKV_STORE_SCALED
-    const int ngrp = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
-    const size_t srow = sizeof(float) * (size_t)ngrp; /* scales of one head vector */
-    const size_t hscales = (size_t)bs * srow;         /* one head's scales in a block */
+    const size_t hscales = (size_t)bs * sizeof(float) * ((d + PKV_I8_GROUP - 1) / PKV_I8_GROUP);
     const char *ksc = (const char *)a->k + a->scale_offset + (size_t)h0 * hscales;
     const char *vsc = (const char *)a->v + a->scale_offset + (size_t)h0 * hscales;
-    const int64_t nblk = (sg.b1 + bs - 1) / bs;
 #endif
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
@@ -474,86 +432,95 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                       seg_slot[sgi] + (rlast[sgi] - seg_rank[sgi]), bs, &blo[sgi], &bhi[sgi]);
     }
     pkv_prefetch pf;
-    pkv_pf_init(&pf, kb, vb, table, bstride, run, blo, bhi);
+    pkv_pf_init(&pf, kb, vb, table, bstride, hstride, nh, tb, blo, bhi);
     pkv_pf_consumed(&pf, 0);
-    size_t at = 0; /* offset of the current block in the prefetch sequence */
+    const int64_t nent = (bhi[0] - blo[0]) + (bhi[1] - blo[1]);
     int rows[PKV_MAX_ROWS];
-    for (int sgi = 0; sgi < 2; sgi++) {
-        int64_t rr = rfirst[sgi];
-        int64_t slot = seg_slot[sgi] + (rr - seg_rank[sgi]);
-        while (rr < rlast[sgi]) {
+    KFN(run_t) runs[PKV_TILE_KEYS];
+    /* walk: entry e of the item (block e of segment 0, then of segment 1) */
+    int sgi = 0;
+    int64_t rr = rfirst[0], slot = seg_slot[0] + (rfirst[0] - seg_rank[0]);
+    for (int64_t g0 = 0; g0 < nent; g0 += tb) {
+        const int cnt = nent - g0 < tb ? (int)(nent - g0) : tb;
+        int64_t tile_r0 = -1;
+        int nk = 0;
+        int64_t bidx[PKV_TILE_KEYS];
+        for (int u = 0; u < cnt; u++) {
+            while (rr >= rlast[sgi]) { /* next segment */
+                sgi++;
+                rr = rfirst[sgi];
+                slot = seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]);
+            }
             const int64_t bi = slot / bs;
             const int off = (int)(slot - bi * bs);
             int n = bs - off;
             if (n > rlast[sgi] - rr) n = (int)(rlast[sgi] - rr);
-            const size_t base = (size_t)table[bi] * bstride + (size_t)off * row;
-            int na = 0;
-            for (int i = 0; i < nqh; i++)
-                if (lim[i] >= rr) rows[na++] = i;
-            if (na > 0) {
-#if PKV_STORE_SCALED
-                /* int8: read in place, each group's scale applied to the
-                 * group's partial dot product (K) and folded into the
-                 * softmax weights (V); with RoPE each head's K run is
-                 * dequantized into scratch and rotated there first.  The
-                 * cursor prefetches the values; the next block's scales are
-                 * asked for here. */
-                if (bi + 1 < nblk) {
-                    const size_t nso = (size_t)table[bi + 1] * bstride;
-                    for (size_t o = 0; o < (size_t)nh * hscales; o += 64) {
-                        __builtin_prefetch(ksc + nso + o, 0, 3);
-                        __builtin_prefetch(vsc + nso + o, 0, 3);
-                    }
-                }
-                const size_t so = (size_t)table[bi] * bstride + (size_t)off * srow;
-                for (int hh = 0; hh < nh; hh++) {
-                    const S *kp = (const S *)(kb + base + hh * hstride);
-                    const float *ks = (const float *)(ksc + so + hh * hscales);
-                    if (a->rope) {
-                        KFN(dequant_run)(kbuf, kp, ks, n, d);
-                        for (int j = 0; j < n; j++)
-                            FN(rope_one)(kbuf + (size_t)j * d, kbuf + (size_t)j * d, a->rope, rr + j, d);
-                        CFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kbuf, 1, n, d,
-                                        sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
-                    } else {
-                        KFN(i8_scores)(q + (size_t)hh * nqh * d, rows, na, kp, ks, n, d,
-                                       sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
-                    }
-                }
-                for (int hh = 0; hh < nh; hh++)
-                    CFN(run_softmax)(sbuf + (size_t)hh * na * n, rows, na, lim, rr, n,
-                                     m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
-                for (int hh = 0; hh < nh; hh++)
-                    KFN(i8_values)(acc + (size_t)hh * nqh * d, rows, na, sbuf + (size_t)hh * na * n,
-                                   alpha + hh * na, (const S *)(vb + base + hh * hstride),
-                                   (const float *)(vsc + so + hh * hscales), n, d, kbuf, &pf,
-                                   at + run + hh * hstride, hstride);
-#else
-                for (int hh = 0; hh < nh; hh++) {
-                    const char *kp = kb + base + hh * hstride;
-                    const void *kr = kp;
-                    if (a->rope) {
-                        for (int j = 0; j < n; j++)
-                            KFN(rope_key)(kbuf + (size_t)j * d, (const S *)kp + (size_t)j * d,
-                                          a->rope, rr + j, d);
-                        kr = kbuf;
-                    }
-                    KFN(run_scores)(q + (size_t)hh * nqh * d, rows, na, kr, a->rope != NULL, n, d,
-                                    sbuf + (size_t)hh * na * n, &pf, at + hh * hstride, hstride);
-                }
-                for (int hh = 0; hh < nh; hh++)
-                    KFN(run_softmax)(sbuf + (size_t)hh * na * n, rows, na, lim, rr, n,
-                                     m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
-                for (int hh = 0; hh < nh; hh++)
-                    KFN(run_values)(acc + (size_t)hh * nqh * d, rows, na,
-                                    sbuf + (size_t)hh * na * n, alpha + hh * na,
-                                    (const S *)(vb + base + hh * hstride), n, d, &pf,
-                                    at + run + hh * hstride, hstride);
-#endif
-            }
-            at += 2 * run;
+            if (tile_r0 < 0) tile_r0 = rr;
+            bidx[u] = bi;
+            runs[u].off = off;
+            runs[u].n = n;
+            runs[u].col = nk;
+            nk += n;
             rr += n;
             slot += n;
+        }
+        const size_t tile_at = (size_t)g0 * 2 * nh * hstride; /* cursor offset of the tile */
+        int na = 0;
+        for (int i = 0; i < nqh; i++)
+            if (lim[i] >= tile_r0) rows[na++] = i;
+        if (na == 0) continue;
+#if PKV_STORE_SCALED
+        if (g0 + cnt < nent) { /* the next tile's scales (the cursor fetches the values) */
+            int64_t e = g0 + cnt, e1 = e + tb < nent ? e + tb : nent;
+            for (; e < e1; e++) {
+                const int64_t n0e = bhi[0] - blo[0];
+                const int64_t ti = e < n0e ? blo[0] + e : blo[1] + (e - n0e);
+                const size_t o = (size_t)table[ti] * bstride;
+                for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
+                    __builtin_prefetch(ksc + o + x, 0, 3);
+                    __builtin_prefetch(vsc + o + x, 0, 3);
+                }
+            }
+        }
+#endif
+        for (int hh = 0; hh < nh; hh++) {
+            for (int u = 0; u < cnt; u++) {
+                const size_t o = (size_t)table[bidx[u]] * bstride + (size_t)hh * hstride;
+                runs[u].k = (const S *)(kb + o);
+                runs[u].v = (const S *)(vb + o);
+#if PKV_STORE_SCALED
+                const size_t so = (size_t)table[bidx[u]] * bstride + (size_t)hh * hscales;
+                runs[u].ksc = (const float *)(ksc + so);
+                runs[u].vsc = (const float *)(vsc + so);
+#else
+                runs[u].ksc = runs[u].vsc = NULL;
+#endif
+            }
+            const T *qh = q + (size_t)hh * nqh * d;
+            T *sh = sbuf + (size_t)hh * na * ldc;
+            const size_t k_at = tile_at + (size_t)hh * 2 * cnt * hstride;
+            pkv_pf_consumed(&pf, k_at);
+            if (a->rope) {
+                const int ks = (nk + W - 1) / W * W;
+                KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
+                CFN(run_t) kr;
+                kr.k = kr.v = kbuf;
+                kr.ksc = kr.vsc = NULL;
+                kr.off = kr.col = 0;
+                kr.n = nk;
+                CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, NULL, 0, 0);
+            } else if (bs >= W) {
+                KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, &pf, k_at, hstride);
+            } else {
+                for (int u = 0; u < cnt; u++)
+                    KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs, runs[u].off,
+                                       runs[u].n, runs[u].col, d, sh, ldc);
+            }
+            KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, m + (size_t)hh * nqh,
+                              l + (size_t)hh * nqh, alpha);
+            pkv_pf_consumed(&pf, k_at + (size_t)cnt * hstride);
+            KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha, runs, cnt,
+                             (size_t)bs, d, kbuf);
         }
     }
 }
@@ -613,7 +580,7 @@ static void KFN(decode)(const pkv_attn_args *a) {
         FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
         /* the query token is token b of q: load_queries/store_out index tokens from t0 = b */
         KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, held * c / nchunk,
-                        held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+                         held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
         if (nchunk == 1) {
             FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
         } else {
@@ -694,12 +661,12 @@ static void KFN(prefill)(const pkv_attn_args *a) {
         const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
         FN(load_queries)(a, h, 1, t0, nt, g0, ng, rank0 + t0, sc.qbuf, sc.lim);
         KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, 0, rank0 + t0 + nt, sc.acc, sc.m,
-                        sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+                         sc.l, sc.sbuf, sc.kbuf, sc.alpha);
         FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l);
     }
 }
 
-#undef KDOT
+#undef PKV_KGROUP
 #ifdef PKV_SCALED_DEFAULTED
 #undef PKV_STORE_SCALED
 #undef PKV_SCALED_DEFAULTED

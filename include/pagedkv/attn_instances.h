@@ -11,8 +11,14 @@
 #define FN(name) PKV_CAT(name, PKV_TAG)
 #include "attn_math.h"
 
+/* W float32 scales (int8 storage; RoPE'd int8 keys) as the compute type */
+#if PKV_F64
+#define LDSC(p) LD_F32(p)
+#else
+#define LDSC(p) VLOAD(p)
+#endif
+
 /* storage = the compute type */
-#define PKV_STORE_IS_COMPUTE 1
 #define S T
 #define SLOAD(p) VLOAD(p)
 #define SGET(p) (*(p))
@@ -29,7 +35,6 @@
 #undef SGET
 #undef SLOAD
 #undef S
-#undef PKV_STORE_IS_COMPUTE
 
 #if PKV_F64
 /* float32 storage read by float64 compute */
@@ -78,5 +83,6 @@
 #undef S
 #undef PKV_STORE_SCALED
 #undef CFN
+#undef LDSC
 
 #undef FN

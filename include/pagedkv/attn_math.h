@@ -116,13 +116,18 @@ static inline double FN(exp_shift)(T *restrict s, int n, T mx) {
     return sum;
 }
 
-/* dot products of queries with keys already in the compute type (keys
- * rotated into scratch by RoPE) */
-#define KT T
-#define KLOAD(p) VLOAD(p)
-#define KGET(p) (*(p))
-#define DOTFN(name) FN(name)
-#include "attn_dot.h"
+/* max of s[0, n), n >= 1 */
+static inline T FN(row_max)(const T *restrict s, int n) {
+    int j = 0;
+    T mx = s[0];
+    if (n >= W) {
+        VEC vm = VLOAD(s);
+        for (j = W; j + W <= n; j += W) vm = VMAX(vm, VLOAD(s + j));
+        mx = VHMAX(vm);
+    }
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
 
 /* Rotate-half RoPE of one vector at position pos (dims past 2*half copied);
  * dst may be src. */
@@ -199,7 +204,7 @@ static inline FN(scratch_t) FN(scratch)(const pkv_attn_args *a, int tid) {
     sc.qbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * nqd);
     sc.acc = (T *)p;          p += PKV_ALIGN_UP(sizeof(T) * nqd);
     sc.alpha = (T *)p;        p += PKV_ALIGN_UP(sizeof(T) * PKV_MAX_ROWS);
-    sc.sbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * PKV_MAX_ROWS * a->bs);
+    sc.sbuf = (T *)p;         p += PKV_ALIGN_UP(sizeof(T) * PKV_MAX_ROWS * (size_t)pkv_tile_cols(a->bs));
     sc.kbuf = (T *)p;
     return sc;
 }

@@ -13,6 +13,9 @@
 #undef VMIN
 #undef VFMA
 #undef VREDUCE
+#undef VHMAX
+#undef PKV_SC_NV
+#undef PKV_PV_NV
 #undef VROUND
 #undef VSCALE2K
 #undef LD_F32

@@ -118,35 +118,41 @@ PKV_DEF_QUANT(pkv_quant_group_f64, double)
 #undef PKV_DEF_QUANT
 
 /* Store one head vector src[d] (compute type `compute`) as the storage type
- * of g into dst (values) and scales (int8 only: ceil(d / 32) floats). */
+ * of g: value i at dst + i * vstride items, int8 group scale gi at
+ * scales[gi * sstride].  V rows are contiguous (vstride 1); K is stored
+ * transposed inside a block-head (vstride = block size; types.h). */
 static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, float *scales,
-                                 const char *src) {
+                                 const char *src, size_t vstride, size_t sstride) {
     const int d = g->d;
     const float *sf = (const float *)src;
     const double *sd = (const double *)src;
     switch (g->store.dtype) {
     case PKV_F32:
-        if (compute == PKV_F32) memcpy(dst, src, (size_t)d * 4);
-        else for (int i = 0; i < d; i++) ((float *)dst)[i] = (float)sd[i];
+        if (compute == PKV_F32 && vstride == 1) memcpy(dst, src, (size_t)d * 4);
+        else if (compute == PKV_F32) for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = sf[i];
+        else for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = (float)sd[i];
         break;
     case PKV_F64: /* only with compute f64 (see CacheCore) */
-        if (compute == PKV_F64) memcpy(dst, src, (size_t)d * 8);
-        else for (int i = 0; i < d; i++) ((double *)dst)[i] = (double)sf[i];
+        if (compute == PKV_F64 && vstride == 1) memcpy(dst, src, (size_t)d * 8);
+        else if (compute == PKV_F64) for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = sd[i];
+        else for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = (double)sf[i];
         break;
     case PKV_BF16:
-        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f32_to_bf16(sf[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f64_to_bf16(sd[i]);
+        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_bf16(sf[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_bf16(sd[i]);
         break;
     case PKV_F16:
-        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f32_to_f16(sf[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i] = pkv_f64_to_f16(sd[i]);
+        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_f16(sf[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_f16(sd[i]);
         break;
     case PKV_I8:
         for (int i0 = 0, gi = 0; i0 < d; i0 += PKV_I8_GROUP, gi++) {
             const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
-            scales[gi] = compute == PKV_F32
-                             ? pkv_quant_group_f32((int8_t *)dst + i0, sf + i0, n)
-                             : pkv_quant_group_f64((int8_t *)dst + i0, sd + i0, n);
+            int8_t q[PKV_I8_GROUP];
+            scales[(size_t)gi * sstride] = compute == PKV_F32
+                                               ? pkv_quant_group_f32(q, sf + i0, n)
+                                               : pkv_quant_group_f64(q, sd + i0, n);
+            for (int i = 0; i < n; i++) ((int8_t *)dst)[(size_t)(i0 + i) * vstride] = q[i];
         }
         break;
     default:
@@ -154,31 +160,35 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
     }
 }
 
-/* Read one stored head vector back into dst[d] of the compute type. */
+/* Read one stored head vector (strides as pkv_store_row) back into dst[d]
+ * of the compute type. */
 static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const char *src,
-                                const float *scales) {
+                                const float *scales, size_t vstride, size_t sstride) {
     const int d = g->d;
-    if ((int)g->store.dtype == compute) {
+    if ((int)g->store.dtype == compute && vstride == 1) {
         memcpy(dst, src, g->row_bytes);
         return;
     }
     for (int i = 0; i < d; i++) {
         double x; /* every storage value is exact in double, and so is q * scale */
         float xf = 0.0f;
+        const size_t at = (size_t)i * vstride;
         switch (g->store.dtype) {
-        case PKV_F32: xf = ((const float *)src)[i]; x = xf; break;
-        case PKV_F64: x = ((const double *)src)[i]; break;
-        case PKV_BF16: xf = pkv_bf16_to_f32(((const uint16_t *)src)[i]); x = xf; break;
-        case PKV_F16: xf = pkv_f16_to_f32(((const uint16_t *)src)[i]); x = xf; break;
-        case PKV_I8:
+        case PKV_F32: xf = ((const float *)src)[at]; x = xf; break;
+        case PKV_F64: x = ((const double *)src)[at]; break;
+        case PKV_BF16: xf = pkv_bf16_to_f32(((const uint16_t *)src)[at]); x = xf; break;
+        case PKV_F16: xf = pkv_f16_to_f32(((const uint16_t *)src)[at]); x = xf; break;
+        case PKV_I8: {
             /* the kernels compute (T)q * (T)scale; so does this */
+            const float sc = scales[(size_t)(i / PKV_I8_GROUP) * sstride];
             if (compute == PKV_F32) {
-                xf = (float)((const int8_t *)src)[i] * scales[i / PKV_I8_GROUP];
+                xf = (float)((const int8_t *)src)[at] * sc;
                 x = xf;
             } else {
-                x = (double)((const int8_t *)src)[i] * (double)scales[i / PKV_I8_GROUP];
+                x = (double)((const int8_t *)src)[at] * (double)sc;
             }
             break;
+        }
         default: x = 0.0; break;
         }
         if (compute == PKV_F32) ((float *)dst)[i] = (float)x;

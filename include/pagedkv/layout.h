@@ -20,6 +20,22 @@ static inline int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_se
     return 0;
 }
 
+/* Where one head's stored vector of slot `at` lives inside a plane: its
+ * first value, the item stride between its values, and its scales (types.h). */
+typedef struct {
+    size_t value, vstride, scale, sstride;
+} pkv_row_at;
+
+static inline pkv_row_at pkv_row_of(const pkv_geom *g, int is_k, int h, size_t at) {
+    pkv_row_at r;
+    const size_t item = (size_t)g->store.itemsize;
+    r.value = (size_t)h * g->head_bytes + (is_k ? at * item : at * g->row_bytes);
+    r.vstride = is_k ? (size_t)g->bs : 1;
+    r.scale = g->scale_offset + ((size_t)h * g->bs * g->scale_row) + at * sizeof(float);
+    r.sstride = (size_t)g->bs;
+    return r;
+}
+
 /* Write n tokens' K and V, each src[n][hkv][d] of the compute type `compute`
  * (PKV_F32 / PKV_F64), into slots [slot0, slot0 + n) of one layer,
  * converting to the storage type (convert.h).
@@ -28,21 +44,19 @@ static inline int pkv_check_seq(const int32_t *table, int64_t nblk, const pkv_se
 static inline void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_t *table, int layer,
                                     int64_t slot0, int64_t n, const char *k, const char *v,
                                     int compute) {
-    const size_t row = g->row_bytes, srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
     const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
-    const size_t hscales = (size_t)g->bs * g->scale_row; /* one head's scales */
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = slot0 + t;
         char *kplane = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff;
         char *vplane = kplane + g->plane_bytes;
         const size_t at = (size_t)(slot % g->bs);
         for (int h = 0; h < g->hkv; h++) {
-            const size_t vo = (size_t)h * g->head_bytes + at * row;
-            const size_t so = g->scale_offset + (size_t)h * hscales + at * g->scale_row;
-            pkv_store_row(g, compute, kplane + vo, (float *)(kplane + so),
-                          k + (size_t)t * tok + (size_t)h * srow);
-            pkv_store_row(g, compute, vplane + vo, (float *)(vplane + so),
-                          v + (size_t)t * tok + (size_t)h * srow);
+            const pkv_row_at rk = pkv_row_of(g, 1, h, at), rv = pkv_row_of(g, 0, h, at);
+            pkv_store_row(g, compute, kplane + rk.value, (float *)(kplane + rk.scale),
+                          k + (size_t)t * tok + (size_t)h * srow, rk.vstride, rk.sstride);
+            pkv_store_row(g, compute, vplane + rv.value, (float *)(vplane + rv.scale),
+                          v + (size_t)t * tok + (size_t)h * srow, rv.vstride, rv.sstride);
         }
     }
 }
@@ -52,20 +66,18 @@ static inline void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_
 static inline void pkv_read_tokens(const pkv_geom *g, const char *arena, const int32_t *table,
                                    int layer, int64_t slot0, int64_t slot1, char *k, char *v,
                                    int compute) {
-    const size_t row = g->row_bytes, srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
     const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
-    const size_t hscales = (size_t)g->bs * g->scale_row;
     for (int64_t slot = slot0; slot < slot1; slot++) {
         const char *kplane = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff;
         const char *vplane = kplane + g->plane_bytes;
         const size_t at = (size_t)(slot % g->bs), t = (size_t)(slot - slot0);
         for (int h = 0; h < g->hkv; h++) {
-            const size_t vo = (size_t)h * g->head_bytes + at * row;
-            const size_t so = g->scale_offset + (size_t)h * hscales + at * g->scale_row;
-            pkv_load_row(g, compute, k + t * tok + (size_t)h * srow, kplane + vo,
-                         (const float *)(kplane + so));
-            pkv_load_row(g, compute, v + t * tok + (size_t)h * srow, vplane + vo,
-                         (const float *)(vplane + so));
+            const pkv_row_at rk = pkv_row_of(g, 1, h, at), rv = pkv_row_of(g, 0, h, at);
+            pkv_load_row(g, compute, k + t * tok + (size_t)h * srow, kplane + rk.value,
+                         (const float *)(kplane + rk.scale), rk.vstride, rk.sstride);
+            pkv_load_row(g, compute, v + t * tok + (size_t)h * srow, vplane + rv.value,
+                         (const float *)(vplane + rv.scale), rv.vstride, rv.sstride);
         }
     }
 }

@@ -2,19 +2,29 @@
  * pool geometry, a sequence's held segments, threads.
  *
  * Pool layout: one 64-byte-aligned arena of num_blocks blocks.  A block holds
- * its tokens' K and V for every layer, "HND" inside each plane:
+ * its tokens' K and V for every layer:
  *
- *   block b:  [layer][K | V][kv head][slot][dim]  (+ scales, int8 only)
- *             \__ plane: Hkv * bs * D stored values, then for int8 storage
- *                 Hkv * bs * ceil(D / 32) float32 scales [kv head][slot][group] __/
+ *   block b:  [layer][K | V][kv head] (+ scales, int8 only)
+ *     K of one head:  [dim][slot]   transposed: a vector load takes the same
+ *                                   dimension of consecutive keys
+ *     V of one head:  [slot][dim]   row-major: a vector load takes consecutive
+ *                                   dimensions of one value
+ *     int8 scales:    after the Hkv heads (4-aligned), float32
+ *                     [kv head][group][slot], K and V alike
  *
  *   K of (b, layer) = arena + b * block_bytes + (2 * layer) * plane_bytes
  *   V of (b, layer) = that + plane_bytes
  *
+ * Why K is transposed: scores are then a small matrix product of (query rows
+ * x keys) with vertical multiply-adds -- broadcast one query value, multiply
+ * a vector of W keys' same dimension, accumulate -- and no horizontal sum per
+ * key; P.V reads V rows the same way with the weights broadcast.  The cost is
+ * a strided write per appended key (d stores, bs apart).
+ *
  * Nothing here depends on the number of blocks, so the pool can grow or
  * shrink by moving whole blocks, and one memcpy of block_bytes copies a block
  * (copy-on-write, compaction).  The attention kernels read one layer's plane
- * of a block as one contiguous run per K and V.
+ * of a block as one contiguous run per K and V (all heads of an item).
  */
 #pragma once
 #include <stddef.h>
@@ -76,7 +86,7 @@ typedef struct {
     size_t row_bytes;    /* one head vector of one token: d values */
     size_t head_bytes;   /* one head of one block: bs rows */
     size_t scale_row;    /* scale bytes of one head vector (0 unless scaled) */
-    size_t scale_offset; /* from a plane's start to its scales [hkv][bs][groups] */
+    size_t scale_offset; /* from a plane's start to its scales [hkv][groups][bs] */
     size_t plane_bytes;  /* K (or V) of one layer of one block: hkv heads (+ scales) */
     size_t block_bytes;  /* a whole block, 64-aligned: 2 * num_layers planes */
 } pkv_geom;

@@ -89,6 +89,7 @@ typedef struct {
                           * values stored (read back when storage is narrower) */
     int rope_half;       /* 0: no RoPE */
     void *cos, *sin;     /* [max_pos][half] */
+    void *cos_t, *sin_t; /* the same, [half][max_pos] */
     int64_t max_pos;
 } config;
 
@@ -101,12 +102,13 @@ static int64_t slot_of(const pkv_segs *sg, int64_t r) {
 }
 
 /* byte offset of one stored value, straight from the layout in types.h:
- * block = [layer][K | V][kv head][slot][dim] (storage = compute only) */
+ * block = [layer][K | V][kv head], K of a head [dim][slot] (transposed),
+ * V of a head [slot][dim] (storage = compute only) */
 static size_t layout_offset(const config *c, int32_t block, int layer, int kv, int h, int slot,
                             int j) {
     const size_t per_head = (size_t)c->bs * c->d;
-    const size_t idx = (((size_t)(2 * layer + kv) * c->hkv + h) * per_head) +
-                       (size_t)slot * c->d + j;
+    const size_t in_head = kv ? (size_t)slot * c->d + j : (size_t)j * c->bs + slot;
+    const size_t idx = (((size_t)(2 * layer + kv) * c->hkv + h) * per_head) + in_head;
     return (size_t)block * c->g.block_bytes + idx * c->item;
 }
 
@@ -125,6 +127,8 @@ static void config_free(config *c) {
     free(c->expect);
     free(c->cos);
     free(c->sin);
+    free(c->cos_t);
+    free(c->sin_t);
 }
 
 static const int head_dims[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 67, 80, 96, 128, 130};
@@ -292,12 +296,16 @@ static void config_make(config *c, int st, int dt, int big) {
         c->max_pos = max_held + rnd_int(0, 5);
         c->cos = xalloc((size_t)c->max_pos * c->rope_half * c->item);
         c->sin = xalloc((size_t)c->max_pos * c->rope_half * c->item);
+        c->cos_t = xalloc((size_t)c->max_pos * c->rope_half * c->item);
+        c->sin_t = xalloc((size_t)c->max_pos * c->rope_half * c->item);
         const double theta = rnd_int(0, 1) ? 10000.0 : 500000.0;
         for (int64_t p = 0; p < c->max_pos; p++)
             for (int i = 0; i < c->rope_half; i++) {
                 const double ang = (double)p * pow(theta, -2.0 * i / (2.0 * c->rope_half));
                 put(c->cos, (size_t)p * c->rope_half + i, dt, cos(ang));
                 put(c->sin, (size_t)p * c->rope_half + i, dt, sin(ang));
+                put(c->cos_t, (size_t)i * c->max_pos + p, dt, cos(ang));
+                put(c->sin_t, (size_t)i * c->max_pos + p, dt, sin(ang));
             }
     }
 }
@@ -468,6 +476,8 @@ static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *
     if (c->rope_half) {
         rope->cos = c->cos;
         rope->sin = c->sin;
+        rope->cos_t = c->cos_t;
+        rope->sin_t = c->sin_t;
         rope->max_pos = c->max_pos;
         rope->half = c->rope_half;
         a->rope = rope;
