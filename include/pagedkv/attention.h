@@ -36,6 +36,9 @@ typedef struct {
  * (one softmax step per tile and head; the score micro-kernel gathers its
  * key vectors across the tile's blocks). */
 #define PKV_TILE_KEYS 64
+#ifndef PKV_PREFETCH_UNITS
+#define PKV_PREFETCH_UNITS 1
+#endif
 #define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
 
 /* blocks per tile, and the columns of a tile's score rows (>= its keys,

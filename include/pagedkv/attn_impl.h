@@ -49,17 +49,19 @@
  * results go to out[r * NV + v]. */
 #define PKV_SCORES_MK(NAME, R, NV)                                                          \
     static inline void KFN(NAME)(const T *const *q, const pkv_kvec *e, size_t stride, \
-                                          int d, VEC *out) {                                \
+                                 int d, VEC *out, pkv_pfs *ps) {                            \
         VEC acc[R][NV];                                                                     \
         const S *kp[NV];                                                                    \
         for (int v = 0; v < NV; v++) kp[v] = (const S *)e[v].k;                             \
         for (int r = 0; r < R; r++)                                                         \
             for (int v = 0; v < NV; v++) acc[r][v] = VZERO();                               \
+        PKV_PFS_BEGIN(ps)                                                                   \
         for (int i0 = 0; i0 < d; i0 += PKV_KGROUP) {                                        \
             const int i1 = d - i0 < PKV_KGROUP ? d : i0 + PKV_KGROUP;                       \
             PKV_SC_GROUP_SCALES(NV)                                                         \
             for (int i = i0; i < i1; i++) {                                                 \
                 VEC x[NV];                                                                  \
+                PKV_PFS_STEP                                                                \
                 for (int v = 0; v < NV; v++) x[v] = PKV_SC_LOADK(kp[v] + (size_t)i * stride, v); \
                 for (int r = 0; r < R; r++) {                                               \
                     const VEC qb = VSET1(q[r][i]);                                          \
@@ -67,6 +69,7 @@
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
+        PKV_PFS_END(ps)                                                                     \
         for (int r = 0; r < R; r++)                                                         \
             for (int v = 0; v < NV; v++) out[r * NV + v] = acc[r][v];                       \
     }
@@ -106,17 +109,17 @@ static inline void KFN(put_lanes)(T *restrict s, const pkv_kvec *e, VEC x) {
  * (multi-head attention decode) has its own tile. */
 static inline void KFN(tile_scores)(const T *restrict q, const int *rows, int na,
                                     const pkv_kvec *e, int ne, size_t stride, int d,
-                                    T *restrict sbuf, int ldc) {
+                                    T *restrict sbuf, int ldc, pkv_pfs *ps) {
     VEC res[4 * PKV_SC_NV];
     if (na == 1) {
         const T *qr = q + (size_t)rows[0] * d;
         int v = 0;
         for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
-            KFN(sc_1xn)(&qr, e + v, stride, d, res);
+            KFN(sc_1xn)(&qr, e + v, stride, d, res, ps);
             for (int u = 0; u < PKV_SC_NV; u++) KFN(put_lanes)(sbuf, e + v + u, res[u]);
         }
         for (; v < ne; v++) {
-            KFN(sc_1x1)(&qr, e + v, stride, d, res);
+            KFN(sc_1x1)(&qr, e + v, stride, d, res, ps);
             KFN(put_lanes)(sbuf, e + v, res[0]);
         }
         return;
@@ -127,13 +130,13 @@ static inline void KFN(tile_scores)(const T *restrict q, const int *rows, int na
         for (int r = 0; r < 4; r++) qr[r] = q + (size_t)rows[a + (r < nr ? r : 0)] * d;
         int v = 0;
         for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
-            KFN(sc_4xn)(qr, e + v, stride, d, res);
+            KFN(sc_4xn)(qr, e + v, stride, d, res, ps);
             for (int r = 0; r < nr; r++)
                 for (int u = 0; u < PKV_SC_NV; u++)
                     KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
         }
         for (; v < ne; v++) {
-            KFN(sc_4x1)(qr, e + v, stride, d, res);
+            KFN(sc_4x1)(qr, e + v, stride, d, res, ps);
             for (int r = 0; r < nr; r++) KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v, res[r]);
         }
     }
@@ -174,20 +177,22 @@ typedef struct {
 
 /* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]. */
 #define PKV_PV_MK(NAME, R, NV)                                                              \
-    static inline void KFN(NAME)(T *const *y, const T *alpha, const T *const *p,   \
-                                          const KFN(run_t) *runs, int nr, size_t bs, int d, \
-                                          int i) {                                          \
+    static inline void KFN(NAME)(T *const *y, const T *alpha, const T *const *p,           \
+                                 const KFN(run_t) *runs, int nr, size_t bs, int d, int i,   \
+                                 pkv_pfs *ps) {                                             \
         VEC acc[R][NV];                                                                     \
         for (int r = 0; r < R; r++) {                                                       \
             const VEC al = VSET1(alpha[r]);                                                 \
             for (int v = 0; v < NV; v++) acc[r][v] = VMUL(VLOAD(y[r] + i + v * W), al);     \
         }                                                                                   \
+        PKV_PFS_BEGIN(ps)                                                                   \
         for (int u = 0; u < nr; u++) {                                                      \
             const S *vr = runs[u].v + (size_t)runs[u].off * d + i;                          \
             const int n = runs[u].n, col = runs[u].col;                                     \
             PKV_PV_SCALES(NV)                                                               \
             for (int j = 0; j < n; j++) {                                                   \
                 VEC x[NV];                                                                  \
+                PKV_PFS_STEP                                                                \
                 for (int v = 0; v < NV; v++) x[v] = PKV_PV_LOADV(vr + (size_t)j * d + v * W, v, j); \
                 for (int r = 0; r < R; r++) {                                               \
                     const VEC pb = VSET1(p[r][col + j]);                                    \
@@ -195,6 +200,7 @@ typedef struct {
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
+        PKV_PFS_END(ps)                                                                     \
         for (int r = 0; r < R; r++)                                                         \
             for (int v = 0; v < NV; v++) VSTORE(y[r] + i + v * W, acc[r][v]);               \
     }
@@ -235,7 +241,7 @@ static inline T KFN(vget)(const KFN(run_t) *u, int j, int i, size_t bs, int d) {
 static inline void KFN(tile_values)(T *restrict acc, const int *rows, int na,
                                     const T *restrict p, int ldc, const T *restrict alpha,
                                     const KFN(run_t) *runs, int nr, size_t bs, int d,
-                                    T *restrict spare) {
+                                    T *restrict spare, pkv_pfs *ps) {
     for (int a = 0; a < na; a += 4) {
         const int R = na == 1 ? 1 : 4, nr4 = na - a < 4 ? na - a : 4;
         T *y[4];
@@ -256,12 +262,12 @@ static inline void KFN(tile_values)(T *restrict acc, const int *rows, int na,
         int i = 0;
         if (R == 4) {
             for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
-                KFN(pv_4xn)(y, al, pr, runs, nr, bs, d, i);
-            for (; i + W <= d; i += W) KFN(pv_4x1)(y, al, pr, runs, nr, bs, d, i);
+                KFN(pv_4xn)(y, al, pr, runs, nr, bs, d, i, ps);
+            for (; i + W <= d; i += W) KFN(pv_4x1)(y, al, pr, runs, nr, bs, d, i, ps);
         } else {
             for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
-                KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i);
-            for (; i + W <= d; i += W) KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i);
+                KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i, ps);
+            for (; i + W <= d; i += W) KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i, ps);
         }
         for (; i < d; i++) /* dimensions past the last whole vector */
             for (int r = 0; r < nr4; r++) {
@@ -335,33 +341,24 @@ static inline void KFN(rope_tile)(T *restrict kbuf, int ks, const KFN(run_t) *ru
 /* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
  * long, stride >= W) into sh [na][ldc].  Key vectors are gathered across
  * runs so a register tile takes PKV_SC_NV of them even when a block holds
- * one vector's worth of keys; after each batch the cursor (pf; NULL: none)
- * hears that the runs done so far (hstride bytes each from k_at) are read. */
+ * one vector's worth of keys. */
 static inline void KFN(score_runs)(const T *restrict qh, const int *rows, int na,
                                    const KFN(run_t) *runs, int cnt, size_t stride, int d,
-                                   T *restrict sh, int ldc, pkv_prefetch *pf, size_t k_at,
-                                   size_t hstride) {
+                                   T *restrict sh, int ldc, pkv_pfs *ps) {
     pkv_kvec ents[PKV_MAX_KVECS];
     int ne = 0;
     for (int u = 0; u < cnt; u++) {
         for (int p0 = 0; p0 < runs[u].n; p0 += PKV_TILE_KEYS) {
             const int n = runs[u].n - p0 < PKV_TILE_KEYS ? runs[u].n - p0 : PKV_TILE_KEYS;
             if (ne + PKV_TILE_KEYS / W + 1 > PKV_MAX_KVECS) {
-                KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc);
+                KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc, ps);
                 ne = 0;
             }
             ne += pkv_kvecs_of(ents + ne, runs[u].k, sizeof(S), runs[u].ksc, stride,
                                runs[u].off + p0, n, runs[u].col + p0, W);
         }
-        if (ne >= PKV_SC_NV) { /* whole register tiles now, the rest joins the next run */
-            const int nb = ne / PKV_SC_NV * PKV_SC_NV;
-            KFN(tile_scores)(qh, rows, na, ents, nb, stride, d, sh, ldc);
-            for (int x = nb; x < ne; x++) ents[x - nb] = ents[x];
-            ne -= nb;
-            if (pf) pkv_pf_consumed(pf, k_at + (size_t)(u + 1) * hstride);
-        }
     }
-    if (ne) KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc);
+    if (ne) KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc, ps);
 }
 
 /* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
@@ -431,20 +428,40 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
         pkv_blocks_of(seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]),
                       seg_slot[sgi] + (rlast[sgi] - seg_rank[sgi]), bs, &blo[sgi], &bhi[sgi]);
     }
-    pkv_prefetch pf;
-    pkv_pf_init(&pf, kb, vb, table, bstride, hstride, nh, tb, blo, bhi);
-    pkv_pf_consumed(&pf, 0);
     const int64_t nent = (bhi[0] - blo[0]) + (bhi[1] - blo[1]);
+    const int64_t nent0 = bhi[0] - blo[0];
+    const int ntiles = (int)((nent + tb - 1) / tb);
     int rows[PKV_MAX_ROWS];
     KFN(run_t) runs[PKV_TILE_KEYS];
-    /* walk: entry e of the item (block e of segment 0, then of segment 1) */
+    int64_t bidx[PKV_TILE_KEYS];
+    /* prefetch stream of the unit after the one being read; unit
+     * (tile t, phase ph (0: K, 1: V), head hh) is number (t * 2 + ph) * nh + hh */
+    pkv_pfs pfs;
+#define PKV_UNIT_SLICES(unit, ps)                                                          \
+    do {                                                                                   \
+        const int64_t t_ = (unit) / (2 * nh), ph_ = ((unit) / nh) % 2, hh_ = (unit) % nh;  \
+        const int64_t e0_ = t_ * tb;                                                       \
+        (ps)->n = 0;                                                                       \
+        for (int64_t e_ = e0_; e_ < e0_ + tb && e_ < nent; e_++) {                         \
+            const int64_t ti_ = e_ < nent0 ? blo[0] + e_ : blo[1] + (e_ - nent0);          \
+            (ps)->p[(ps)->n++] = (ph_ ? vb : kb) + (size_t)table[ti_] * bstride +          \
+                                 (size_t)hh_ * hstride;                                    \
+        }                                                                                  \
+        (ps)->len = hstride;                                                               \
+        pkv_pfs_start(ps);                                                                 \
+    } while (0)
+    const int64_t nunits = (int64_t)ntiles * 2 * nh;
+    if (nunits > 0) { /* the first unit, at once */
+        PKV_UNIT_SLICES(0, &pfs);
+        pkv_pfs_finish(&pfs);
+    }
     int sgi = 0;
     int64_t rr = rfirst[0], slot = seg_slot[0] + (rfirst[0] - seg_rank[0]);
-    for (int64_t g0 = 0; g0 < nent; g0 += tb) {
+    for (int t = 0; t < ntiles; t++) {
+        const int64_t g0 = (int64_t)t * tb;
         const int cnt = nent - g0 < tb ? (int)(nent - g0) : tb;
         int64_t tile_r0 = -1;
         int nk = 0;
-        int64_t bidx[PKV_TILE_KEYS];
         for (int u = 0; u < cnt; u++) {
             while (rr >= rlast[sgi]) { /* next segment */
                 sgi++;
@@ -464,17 +481,14 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             rr += n;
             slot += n;
         }
-        const size_t tile_at = (size_t)g0 * 2 * nh * hstride; /* cursor offset of the tile */
         int na = 0;
         for (int i = 0; i < nqh; i++)
             if (lim[i] >= tile_r0) rows[na++] = i;
         if (na == 0) continue;
 #if PKV_STORE_SCALED
-        if (g0 + cnt < nent) { /* the next tile's scales (the cursor fetches the values) */
-            int64_t e = g0 + cnt, e1 = e + tb < nent ? e + tb : nent;
-            for (; e < e1; e++) {
-                const int64_t n0e = bhi[0] - blo[0];
-                const int64_t ti = e < n0e ? blo[0] + e : blo[1] + (e - n0e);
+        if (g0 + cnt < nent) { /* the next tile's scales (the streams fetch the values) */
+            for (int64_t e = g0 + cnt, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
+                const int64_t ti = e < nent0 ? blo[0] + e : blo[1] + (e - nent0);
                 const size_t o = (size_t)table[ti] * bstride;
                 for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
                     __builtin_prefetch(ksc + o + x, 0, 3);
@@ -483,46 +497,64 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             }
         }
 #endif
-        for (int hh = 0; hh < nh; hh++) {
-            for (int u = 0; u < cnt; u++) {
-                const size_t o = (size_t)table[bidx[u]] * bstride + (size_t)hh * hstride;
-                runs[u].k = (const S *)(kb + o);
-                runs[u].v = (const S *)(vb + o);
+        const int rgroups = na == 1 ? 1 : (na + 3) / 4;
+        for (int ph = 0; ph < 2; ph++) {
+            for (int hh = 0; hh < nh; hh++) {
+                const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
+                pkv_pfs *ps = NULL;
+                if (PKV_PREFETCH_UNITS && unit + 1 < nunits) {
+                    PKV_UNIT_SLICES(unit + 1, &pfs);
+                    /* spread the next unit's lines over this unit's inner steps */
+                    const int64_t lines = (int64_t)pfs.n * (int64_t)((hstride + 63) / 64);
+                    const int64_t kvecs = (nk + W - 1) / W;
+                    int64_t steps = ph == 0 ? (int64_t)rgroups * ((kvecs + PKV_SC_NV - 1) / PKV_SC_NV) * d
+                                            : (int64_t)rgroups * ((d + PKV_PV_NV * W - 1) / (PKV_PV_NV * W)) * nk;
+                    if (steps < 1) steps = 1;
+                    pfs.per_step = (int)((lines + steps - 1) / steps);
+                    ps = &pfs;
+                }
+                for (int u = 0; u < cnt; u++) {
+                    const size_t o = (size_t)table[bidx[u]] * bstride + (size_t)hh * hstride;
+                    runs[u].k = (const S *)(kb + o);
+                    runs[u].v = (const S *)(vb + o);
 #if PKV_STORE_SCALED
-                const size_t so = (size_t)table[bidx[u]] * bstride + (size_t)hh * hscales;
-                runs[u].ksc = (const float *)(ksc + so);
-                runs[u].vsc = (const float *)(vsc + so);
+                    const size_t so = (size_t)table[bidx[u]] * bstride + (size_t)hh * hscales;
+                    runs[u].ksc = (const float *)(ksc + so);
+                    runs[u].vsc = (const float *)(vsc + so);
 #else
-                runs[u].ksc = runs[u].vsc = NULL;
+                    runs[u].ksc = runs[u].vsc = NULL;
 #endif
+                }
+                T *sh = sbuf + (size_t)hh * na * ldc;
+                if (ph == 0) {
+                    const T *qh = q + (size_t)hh * nqh * d;
+                    if (a->rope) {
+                        const int ks = (nk + W - 1) / W * W;
+                        KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
+                        CFN(run_t) kr;
+                        kr.k = kr.v = kbuf;
+                        kr.ksc = kr.vsc = NULL;
+                        kr.off = kr.col = 0;
+                        kr.n = nk;
+                        CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
+                    } else if (bs >= W) {
+                        KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
+                    } else {
+                        for (int u = 0; u < cnt; u++)
+                            KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs,
+                                               runs[u].off, runs[u].n, runs[u].col, d, sh, ldc);
+                    }
+                    KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, m + (size_t)hh * nqh,
+                                      l + (size_t)hh * nqh, alpha + hh * na);
+                } else {
+                    KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha + hh * na,
+                                     runs, cnt, (size_t)bs, d, kbuf, ps);
+                }
+                if (ps) pkv_pfs_finish(ps);
             }
-            const T *qh = q + (size_t)hh * nqh * d;
-            T *sh = sbuf + (size_t)hh * na * ldc;
-            const size_t k_at = tile_at + (size_t)hh * 2 * cnt * hstride;
-            pkv_pf_consumed(&pf, k_at);
-            if (a->rope) {
-                const int ks = (nk + W - 1) / W * W;
-                KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
-                CFN(run_t) kr;
-                kr.k = kr.v = kbuf;
-                kr.ksc = kr.vsc = NULL;
-                kr.off = kr.col = 0;
-                kr.n = nk;
-                CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, NULL, 0, 0);
-            } else if (bs >= W) {
-                KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, &pf, k_at, hstride);
-            } else {
-                for (int u = 0; u < cnt; u++)
-                    KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs, runs[u].off,
-                                       runs[u].n, runs[u].col, d, sh, ldc);
-            }
-            KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, m + (size_t)hh * nqh,
-                              l + (size_t)hh * nqh, alpha);
-            pkv_pf_consumed(&pf, k_at + (size_t)cnt * hstride);
-            KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha, runs, cnt,
-                             (size_t)bs, d, kbuf);
         }
     }
+#undef PKV_UNIT_SLICES
 }
 
 /* Batched decode: one query token per sequence, at its newest held rank.

@@ -155,83 +155,62 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
     return acc;
 }
 
-/* ---- prefetching the pattern ahead of a kernel ----------------------------
- * A work item of decode takes its blocks (entries: the blocks of its first
- * segment, then of its second) a tile of `tb` entries at a time and, for
- * each of its nh heads in turn, reads that head's K slice of every entry of
- * the tile, then its V slice (hstride bytes each; the heads of a block are
- * adjacent).  That is the byte sequence this cursor walks: the kernel reports
- * how far it has consumed it, and the cursor keeps software prefetches
- * PKV_PF_AHEAD bytes in front, across block boundaries (the next block may be
- * anywhere in the pool, where no hardware prefetcher looks).  Offsets:
- * tile t (entries [t*tb, ...)) starts at t * tb * 2 * nh * hstride; head hh
- * of a tile of cnt entries at + hh * 2 * cnt * hstride, its V slices at
- * + cnt * hstride more.
- *
- * Measured with benchmarks/c/decode_ceiling.c (AVX2 EPYC shared with other
- * jobs; f32 B=8 L=2048, 1 thread; decode CPU time as % of the pattern read's,
- * paired per round, three runs each): no software prefetch 48-52%; every line
- * 4, 8, 16 or 32 KiB ahead 60-72% (indistinguishable; 16 KiB kept); only the
- * first 1-4 KiB of each run, leaving the rest to the hardware streamer,
- * 41-48%; a second lane into L2 32-64 KiB ahead 54-62%. */
-#ifndef PKV_PF_AHEAD
-#define PKV_PF_AHEAD (16 << 10)
+/* ---- prefetching ahead of a kernel -------------------------------------------
+ * A work item of decode reads its blocks a tile at a time in units: the K
+ * slices (one head of one block, hstride bytes) of the tile's blocks for
+ * head 0, 1, ..., then their V slices head after head, then the next tile.
+ * While the kernel works on one unit it prefetches the next one, a few lines
+ * per step of its inner loop (the next block may be anywhere in the pool,
+ * where no hardware prefetcher looks), so the requests are spread over the
+ * unit's arithmetic instead of issued in a burst. */
+#ifndef PKV_PF_LOCALITY
+#define PKV_PF_LOCALITY 3
 #endif
-
 typedef struct {
-    const char *k, *v;      /* K / V of the item's first head in block 0 */
-    const int32_t *table;
-    size_t bstride, hstride; /* bytes from block to block; of one head of a block */
-    int nh, tb;
-    int64_t lo[2], n0, nent; /* table ranges: entry e < n0 -> lo[0] + e, else lo[1] + e - n0 */
-    int64_t g0;              /* first entry of the tile being prefetched; nent: all issued */
-    int cnt, hh, kv, j;      /* that tile's entries, head, K (0) or V (1), entry in tile */
-    size_t pos;              /* bytes of that slice issued */
-} pkv_prefetch;
+    const char *p[64]; /* the next unit's slices */
+    int n, cur;        /* slices; the one being prefetched */
+    size_t len;        /* bytes per slice */
+    const char *at, *end; /* next line to prefetch in slice cur, and its end */
+    int per_step;      /* lines per step */
+} pkv_pfs;
 
-static inline void pkv_pf_init(pkv_prefetch *c, const char *k, const char *v, const int32_t *table,
-                               size_t bstride, size_t hstride, int nh, int tb, const int64_t lo[2],
-                               const int64_t hi[2]) {
-    c->k = k;
-    c->v = v;
-    c->table = table;
-    c->bstride = bstride;
-    c->hstride = hstride;
-    c->nh = nh;
-    c->tb = tb;
-    c->lo[0] = lo[0];
-    c->lo[1] = lo[1];
-    c->n0 = hi[0] - lo[0];
-    c->nent = c->n0 + (hi[1] - lo[1]);
-    c->g0 = 0;
-    c->cnt = c->nent < tb ? (int)c->nent : tb;
-    c->hh = c->kv = c->j = 0;
-    c->pos = 0;
+/* A kernel's inner loop steps a local copy (kept in registers) and writes it
+ * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP; } PKV_PFS_END(ps); */
+#define PKV_PFS_BEGIN(ps)                                                          \
+    pkv_pfs *pf_s_ = (ps);                                                         \
+    const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL; \
+    const int pf_k_ = pf_s_ ? pf_s_->per_step : 0;
+#define PKV_PFS_STEP                                                               \
+    for (int pf_i_ = 0; pf_i_ < pf_k_ && pf_at_ < pf_end_; pf_i_++, pf_at_ += 64) \
+        __builtin_prefetch(pf_at_, 0, PKV_PF_LOCALITY);                                          \
+    if (pf_k_ && pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);
+#define PKV_PFS_END(ps)                                                            \
+    if (pf_s_) {                                                                   \
+        pf_s_->at = pf_at_;                                                        \
+        pf_s_->end = pf_end_;                                                      \
+    }
+
+/* move on to the next slice (none left: an empty range) */
+static inline void pkv_pfs_next(pkv_pfs *s, const char **at, const char **end) {
+    if (s->cur + 1 < s->n) {
+        s->cur++;
+        *at = s->p[s->cur];
+        *end = *at + s->len;
+    } else {
+        *at = *end; /* done */
+    }
 }
 
-/* The kernel has consumed the sequence up to `offset`: prefetch (into L1)
- * every line up to PKV_PF_AHEAD bytes in front of it. */
-static inline void pkv_pf_consumed(pkv_prefetch *c, size_t offset) {
-    const size_t goal = offset + PKV_PF_AHEAD, hs = c->hstride;
-    while (c->g0 < c->nent) {
-        const size_t at = (size_t)c->g0 * 2 * c->nh * hs +
-                          ((size_t)(2 * c->hh + c->kv) * c->cnt + c->j) * hs + c->pos;
-        if (at >= goal) break;
-        const int64_t e = c->g0 + c->j;
-        const int64_t ti = e < c->n0 ? c->lo[0] + e : c->lo[1] + (e - c->n0);
-        const char *p = (c->kv ? c->v : c->k) + (size_t)c->table[ti] * c->bstride +
-                        (size_t)c->hh * hs + c->pos;
-        __builtin_prefetch(p, 0, 3);
-        c->pos += 64;
-        if (c->pos < hs) continue;
-        c->pos = 0;
-        if (++c->j < c->cnt) continue;
-        c->j = 0;
-        if (++c->kv < 2) continue;
-        c->kv = 0;
-        if (++c->hh < c->nh) continue;
-        c->hh = 0;
-        c->g0 += c->cnt;
-        c->cnt = c->nent - c->g0 < c->tb ? (int)(c->nent - c->g0) : c->tb;
+static inline void pkv_pfs_start(pkv_pfs *s) {
+    s->cur = 0;
+    s->at = s->n ? s->p[0] : NULL;
+    s->end = s->n ? s->p[0] + s->len : NULL;
+}
+
+/* issue whatever the steps left (the unit ended before its estimate) */
+static inline void pkv_pfs_finish(pkv_pfs *s) {
+    while (s->at < s->end) {
+        for (; s->at < s->end; s->at += 64) __builtin_prefetch(s->at, 0, PKV_PF_LOCALITY);
+        pkv_pfs_next(s, &s->at, &s->end);
     }
 }
