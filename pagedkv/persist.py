@@ -1,10 +1,10 @@
 """Save one sequence's K/V to a file and load it back (``cache.save`` / ``cache.load``).
 
-File format, version 1 (all integers little-endian)::
+File format, version 2 (all integers little-endian)::
 
     offset  size  field
     0       8     magic  b"PAGEDKV\\x1a"
-    8       4     format version (uint32, 1)
+    8       4     format version (uint32, 2)
     12      4     H = length of the header (uint32)
     16      H     header: UTF-8 JSON object (below)
     16+H    P     the sequence's blocks, raw, in block-table order:
@@ -25,6 +25,10 @@ becomes a prefix hit); ``"cache_salt"``: the sequence's prefix-cache salt as
 registered: its blocks are never a hit for any salt), or null for none (and
 in files written before this key existed); ``"payload_bytes"`` = P.
 
+Version 2 stores K transposed inside each block-head ([dim][slot]) and the
+int8 scales as [group][slot] (the pool's layout since that version); a
+version 1 file (K [slot][dim], scales [slot][group]) is converted on load.
+
 Saving writes a temporary file in the target's directory and renames it
 over the target (atomic on POSIX and Windows).  Loading reads and checks the
 whole file (magic, version, sizes, checksum, header types, configuration) before the cache
@@ -44,7 +48,8 @@ import numpy as np
 from pagedkv.eviction import check_priority
 
 MAGIC = b"PAGEDKV\x1a"
-VERSION = 1
+VERSION = 2
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int8": 1}
 _PREFIX = struct.Struct("<8sII")
 
 
@@ -149,9 +154,9 @@ def read(path):
     magic, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CacheFileError(f"{name}: not a pagedkv sequence file (magic {magic!r})")
-    if version != VERSION:
-        raise CacheFileError(f"{name}: format version {version}; this pagedkv reads version "
-                             f"{VERSION}")
+    if version not in (1, VERSION):
+        raise CacheFileError(f"{name}: format version {version}; this pagedkv reads versions "
+                             f"1 and {VERSION}")
     if _PREFIX.size + hlen + 4 > len(data):
         raise CacheFileError(f"{name}: truncated (header of {hlen} bytes, file of {len(data)})")
     (crc,) = struct.unpack_from("<I", data, len(data) - 4)
@@ -172,7 +177,45 @@ def read(path):
         raise CacheFileError(f"{name}: {len(data) - start - 4} bytes of blocks, header says "
                              f"{payload_bytes}")
     payload = np.frombuffer(data, dtype=np.uint8, count=payload_bytes, offset=start)
+    if version == 1:
+        payload = _upgrade_v1(name, header, payload)
     return header, payload
+
+
+def _upgrade_v1(name, header, payload):
+    """The blocks of a version 1 file in the version 2 layout: K of each
+    block-head transposed to [dim][slot], int8 scales of both planes to
+    [group][slot]."""
+    cfg = header["config"]
+    try:
+        bs, hkv, d, nl = (int(cfg[k]) for k in ("block_size", "num_kv_heads", "head_dim",
+                                                "num_layers"))
+        kv = cfg.get("kv_dtype") or cfg["dtype"]
+        item, bpb = _ITEMSIZE[kv], int(cfg["bytes_per_block"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileError(f"{name}: version 1 file with a malformed config ({e})") from None
+    groups = -(-d // 32) if kv == "int8" else 0
+    values = hkv * bs * d * item
+    scale_off = (values + 3) & ~3 if groups else values
+    plane = scale_off + hkv * bs * groups * 4
+    if min(bs, hkv, d, nl) < 1 or bpb < 2 * nl * plane or payload.size % bpb:
+        raise CacheFileError(f"{name}: version 1 file whose blocks do not match its config")
+    blocks = payload.reshape(-1, bpb).copy()
+    vdt = np.dtype(f"u{item}") if item > 1 else np.dtype("u1")
+    for layer in range(nl):
+        for kvi in range(2):
+            p0 = (2 * layer + kvi) * plane
+            if kvi == 0:
+                k = blocks[:, p0:p0 + values].view(vdt).reshape(-1, hkv, bs, d)
+                blocks[:, p0:p0 + values] = np.ascontiguousarray(
+                    k.transpose(0, 1, 3, 2)).view(np.uint8).reshape(len(blocks), values)
+            if groups:
+                nsc = hkv * bs * groups * 4
+                sc = blocks[:, p0 + scale_off:p0 + scale_off + nsc].view(np.float32)
+                sc = sc.reshape(-1, hkv, bs, groups).transpose(0, 1, 3, 2)
+                blocks[:, p0 + scale_off:p0 + scale_off + nsc] = np.ascontiguousarray(
+                    sc).view(np.uint8).reshape(len(blocks), nsc)
+    return blocks.reshape(-1)
 
 
 def load(cache, path, priority=None) -> int:

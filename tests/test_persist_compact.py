@@ -1,6 +1,7 @@
 """save / load of one sequence, compact() and resize(), and the statistics report."""
 
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -402,3 +403,36 @@ def test_stats_report_and_fragmentation(rng):
     pc = make(prefix_caching=True)
     s = pc.add_sequence(token_ids=list(range(9)))
     assert "prefix cache 0 blocks hit, 2 missed" in str(pc.stats())
+
+
+# ---- files of format version 1 (K row-major inside a block-head) ----------------------------
+# tests/data/v1_*.pagedkv were written by pagedkv before the pool stored K transposed; the .npz
+# beside each holds what that version's gather() and attend() returned for them.
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16"])
+def test_version_1_files_load_into_the_current_layout(kv_dtype):
+    want = np.load(DATA / f"v1_{kv_dtype}.npz")
+    cache = pagedkv.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=40,
+                                 num_layers=2, kv_dtype=kv_dtype)
+    sid = cache.load(DATA / f"v1_{kv_dtype}.pagedkv")
+    assert cache.seq_len(sid) == 7
+    for layer in range(2):
+        k, v = cache.gather(sid, layer=layer)
+        np.testing.assert_array_equal(k, want[f"k{layer}"])
+        np.testing.assert_array_equal(v, want[f"v{layer}"])
+        out = cache.attend(sid, want["q"], layer=layer)
+        np.testing.assert_allclose(out, want[f"o{layer}"], rtol=1e-5, atol=1e-6)
+
+
+def test_version_1_file_saved_again_is_version_2(tmp_path):
+    cache = pagedkv.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=40,
+                                 num_layers=2, kv_dtype="int8")
+    sid = cache.load(DATA / "v1_int8.pagedkv")
+    cache.save(sid, tmp_path / "again.pagedkv")
+    assert (tmp_path / "again.pagedkv").read_bytes()[8] == 2
+    sid2 = cache.load(tmp_path / "again.pagedkv")
+    for layer in range(2):
+        np.testing.assert_array_equal(cache.gather(sid, layer=layer)[0],
+                                      cache.gather(sid2, layer=layer)[0])
