@@ -466,8 +466,10 @@ class PagedKVCache:
 
     def save(self, sid: int, path) -> int:
         """Write sequence `sid` (K/V of every layer, kept positions, the cache
-        configuration) to `path` atomically; returns the bytes written.  The
-        format is documented in pagedkv/persist.py."""
+        configuration) to `path`; returns the bytes written.  Crash-consistent:
+        a save killed or failing midway leaves the previous file or the new
+        complete one, never a torn one.  The format and the write protocol are
+        documented in pagedkv/persist.py."""
         return persist.save(self, sid, path)
 
     def load(self, path, priority: Optional[float] = None) -> int:

@@ -29,13 +29,42 @@ Version 2 stores K transposed inside each block-head ([dim][slot]) and the
 int8 scales as [group][slot] (the pool's layout since that version); a
 version 1 file (K [slot][dim], scales [slot][group]) is converted on load.
 
-Saving writes a temporary file in the target's directory and renames it
-over the target (atomic on POSIX and Windows).  Loading reads and checks the
-whole file (magic, version, sizes, checksum, header types, configuration) before the cache
-changes; a file that does not fit raises OutOfBlocksError and changes nothing.
+Saving is crash-consistent: a save killed at any instant (SIGKILL, power
+loss) leaves at ``path`` either the previous file or the new complete one,
+never a torn one.  The file is written to a temporary file in the target's
+directory, ``.<name>.pagedkv-tmp`` for a target ``<name>``, flushed and
+fsync'ed, renamed over the target with os.replace (atomic on POSIX and
+Windows), and then the directory is fsync'ed so the rename itself is durable
+(skipped where a directory cannot be opened, e.g. Windows, or its file system
+cannot sync one).  The temporary name is fixed, so a save killed midway leaves
+one stale temporary file that the next save to the same path reuses: a
+process that crash-loops does not pile up temporary files.  A save that fails
+(disk full, bad path, an interrupt...) removes its temporary file, leaves the
+old target untouched and raises.  If syncing the directory fails after the
+rename, the error is raised too: the new file is then in place, but may not
+survive a power loss.
+
+Concurrent saves to one path (threads or processes) are serialized by an
+exclusive lock (``fcntl.flock``) on the temporary file: a second saver waits
+until the first has renamed its file, then writes its own; the last rename
+wins and the file is never torn.  The temporary file is opened without
+O_TRUNC and emptied only once locked (truncating on open would cut a file a
+concurrent saver is still writing), and a saver that got the lock checks that
+the file it locked is still the one under the temporary name (the saver it
+waited for may have renamed it over the target meanwhile; it then reopens).
+Where the fixed name cannot be used — no fcntl (Windows), a file system
+without flock, a name too long for the suffix, a symlink or directory under
+that name — the save falls back to a unique temporary name
+(``.pagedkv-*.tmp``); it is still removed on failure, but one killed save
+can then leave one more stale file behind.
+
+Loading reads and checks the whole file (magic, version, sizes, checksum,
+header types, configuration) before the cache changes; a file that does not
+fit raises OutOfBlocksError and changes nothing.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -44,6 +73,11 @@ import tempfile
 import zlib
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: unique temporary names (see the module docstring)
+    fcntl = None
 
 from pagedkv.eviction import check_priority
 
@@ -106,8 +140,64 @@ def _salt_from(record, path):
     return True, _SALT_TYPES[record["type"]](value)
 
 
+TMP_SUFFIX = ".pagedkv-tmp"
+
+
+def _lock_fixed_tmp(tmp):
+    """A descriptor of the temporary file `tmp` (created if missing), exclusively
+    locked and emptied; None when the fixed name cannot be used here (see the
+    module docstring), and the caller then takes a unique name."""
+    if fcntl is None:
+        return None
+    # no O_TRUNC: the file may be another saver's, still being written
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except OSError:  # too long a name, a symlink or directory there...
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another save to this path runs
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(tmp, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.ftruncate(fd, 0)  # a stale file from a killed save, or a used one
+                return fd
+        except OSError:  # no flock on this file system
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        # the saver we waited for renamed (or removed) the file we opened: it may be
+        # the target now, so never write to it; open the file now under that name
+        os.close(fd)
+
+
+def _sync_directory(directory):
+    """fsync a directory so a rename in it survives a power loss; skipped where
+    directories cannot be opened or synced."""
+    if os.name == "nt":
+        return
+    try:
+        dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(dfd)
+
+
 def save(cache, sid, path) -> int:
-    """Write sequence `sid` to `path` atomically; returns the bytes written."""
+    """Write sequence `sid` to `path` crash-consistently (see the module
+    docstring); returns the bytes written."""
     core = cache._core
     with core.hold():  # one snapshot; the file is written after the lock is left
         meta, blocks = core.export_seq(sid)
@@ -124,22 +214,26 @@ def save(cache, sid, path) -> int:
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
     crc = zlib.crc32(blocks, zlib.crc32(head))
     path = os.fsdecode(os.fspath(path))  # a bytes path too (mkstemp's dir= must match prefix=)
-    fd, tmp = tempfile.mkstemp(prefix=".pagedkv-", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}{TMP_SUFFIX}")
+    fd = _lock_fixed_tmp(tmp)
+    if fd is None:
+        fd, tmp = tempfile.mkstemp(prefix=".pagedkv-", suffix=".tmp", dir=directory)
+    with os.fdopen(fd, "wb") as f:  # closing releases the lock, after the rename
+        try:
             f.write(head)
             f.write(memoryview(blocks.reshape(-1)))  # 1-D uint8: also when empty
             f.write(struct.pack("<I", crc))
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)  # still locked: no other saver is using this file
+            except OSError:
+                pass
+            raise
+    _sync_directory(directory)
     return len(head) + blocks.nbytes + 4
 
 

@@ -618,7 +618,8 @@ class Runner:
         if target is not None and before is not None:
             with open(target, "rb") as f:
                 assert f.read() == before, "a save that raised changed its target"
-        stray = [f for f in os.listdir(_tmpdir()) if f.endswith(".tmp")]
+        stray = [f for f in os.listdir(_tmpdir())
+                 if f.endswith((".tmp", pagedkv.persist.TMP_SUFFIX))]  # unique / fixed name
         assert not stray, f"a save that raised left {stray}"
 
     def seq_contents(self, sid):
