@@ -1,10 +1,12 @@
-"""The instruction-peak probe (include/pagedkv/peak.h, pagedkv._core.instruction_peak)."""
+"""The instruction-peak probe (include/pagedkv/peak.h, pagedkv._core.instruction_peak)
+and the L2 size the decode benchmark sizes its cache-resident case from."""
 import math
 
 import pytest
 
 import pagedkv
 from pagedkv._core import _fma_probe, instruction_peak
+from pagedkv.benchmarks.decode import _parse_cache_size, l2_cache_bytes, peak_kind
 
 KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
@@ -75,3 +77,11 @@ def test_bad_arguments_raise_value_error():
         with pytest.raises(ValueError):
             _fma_probe(**kwargs)
 
+
+def test_cache_size_parsing_and_l2():
+    assert _parse_cache_size("1024K\n") == 1 << 20
+    assert _parse_cache_size("2M") == 2 << 20
+    assert _parse_cache_size("512") == 512
+    size, source = l2_cache_bytes()
+    assert size > 0 and source in ("sysfs", "assumed")
+    assert (peak_kind("float32"), peak_kind("float64")) == ("fma_f32", "fma_f64")
