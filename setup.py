@@ -89,7 +89,7 @@ ext = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     depends=[os.path.join("include", "pagedkv", f) for f in
              ("types.h", "simd.h", "layout.h", "attention.h", "attn_instances.h",
-              "attn_math.h", "attn_impl.h", "attn_vocab_end.h")]
+              "attn_math.h", "attn_impl.h", "attn_vocab_end.h", "peak.h")]
     + [os.path.join("pagedkv", f) for f in ("_core.pxd", "_pool.pxi", "_seqtable.pxi")],
 )
 

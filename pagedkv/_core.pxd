@@ -96,3 +96,12 @@ cdef extern from "pagedkv/kvread.h" nogil:
                               size_t block_stride, int bs, int64_t nseq,
                               const int32_t *const *tables, const pkv_segs *segs, int simd,
                               int nthreads, size_t *bytes_read)
+
+cdef extern from "pagedkv/peak.h" nogil:
+    enum:
+        PKV_PEAK_FMA_F32
+        PKV_PEAK_FMA_F64
+        PKV_PEAK_CHAINS
+    int pkv_peak_width(int kind, int simd)
+    uint64_t pkv_peak_run(int kind, int simd, int64_t iters, int nthreads, double a, double b,
+                          double *sum)

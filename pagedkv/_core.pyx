@@ -1275,3 +1275,110 @@ def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
             raise RuntimeError("read kernel returned a wrong sum")
         best = max(best, n * 4 / dt)
     return best
+
+
+# ----------------------------------------------------------------------------
+# instruction peak (include/pagedkv/peak.h)
+
+_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64}
+
+
+def _peak_args(kind, simd, threads):
+    """(kind index, SIMD index, threads) of a peak probe, checked."""
+    if not isinstance(kind, str) or kind not in _PEAK_KINDS:
+        raise ValueError(f"unknown instruction kind {kind!r}; expected one of "
+                         f"{', '.join(_PEAK_KINDS)}")
+    cdef int k = _PEAK_KINDS[kind]
+    cdef int s = _simd
+    if simd is not None:
+        if not isinstance(simd, str) or simd not in _SIMD_NAMES:
+            raise ValueError(f"unknown SIMD path {simd!r}; expected one of "
+                             f"{', '.join(_SIMD_NAMES)}")
+        s = _SIMD_NAMES.index(simd)
+        if not pkv_simd_supported(s):
+            raise ValueError(f"SIMD path {simd!r} does not run on this machine (it runs "
+                             f"{', '.join(simd_supported())})")
+    if pkv_peak_width(k, s) == 0:
+        raise ValueError(f"no {kind} probe for SIMD path {_SIMD_NAMES[s]!r} in this build")
+    nt = int(threads)
+    if nt < 1:
+        raise ValueError(f"threads must be >= 1, got {nt}")
+    return k, s, nt
+
+
+def _fma_probe(kind="fma_f32", simd=None, iters=1, threads=1, a=0.5, b=1.0):
+    """Run the peak loop once, `iters` rounds on each of `threads` threads:
+    (lanes done, sum of every final lane).  Lane k of a thread's chains
+    starts at k, and each round turns its value c into c * a + b (for the
+    tests)."""
+    cdef int k, s, nt
+    k, s, nt = _peak_args(kind, simd, threads)
+    cdef int64_t n = int(iters)
+    if n < 0:
+        raise ValueError(f"iters must be >= 0, got {n}")
+    cdef double fa = float(a), fb = float(b), total = 0.0
+    cdef uint64_t lanes
+    with nogil:
+        lanes = pkv_peak_run(k, s, n, nt, fa, fb, &total)
+    return int(lanes), float(total)
+
+
+def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats=20):
+    """Measured peak rate of an instruction on this machine, in lanes per second.
+
+    kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
+    are built on (one multiply-add of one lane counts 1).  simd: the path
+    ("scalar", "avx2", "avx512", "neon"; None: the active one,
+    simd_backend()).  threads: threads running the loop at once (OpenMP;
+    a build without it runs their loops one after another, so the rate is
+    one thread's); the rate is the lanes of all of them / wall time.  The loop
+    (include/pagedkv/peak.h: 12 independent FMA chains over SIMD registers)
+    is timed for about `seconds` in all, as `repeats` runs of equal length
+    after a calibration that also warms up; the best run counts (short runs
+    are less likely to lose the CPU to another process on a shared machine).
+    Raises ValueError for an unknown kind or path, a path this machine does
+    not run, threads < 1, seconds <= 0 or repeats < 1."""
+    import math
+    import time
+    cdef int k, s, nt
+    k, s, nt = _peak_args(kind, simd, threads)
+    secs = float(seconds)
+    if not (secs > 0 and math.isfinite(secs)):
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    nrep = int(repeats)
+    if nrep < 1:
+        raise ValueError(f"repeats must be >= 1, got {nrep}")
+    run_s = secs / nrep
+    cdef uint64_t per_round = <uint64_t>nt * PKV_PEAK_CHAINS * pkv_peak_width(k, s)
+    cdef int64_t iters = 256
+    rate = 0.0  # best rounds per second seen
+    # calibration, which also warms up (thread pool started, clocks up): at
+    # least 3 runs, until one lasts half a timed run
+    for cal in range(64):
+        dt = _peak_once(k, s, iters, nt, per_round)
+        rate = max(rate, iters / dt)
+        if cal >= 2 and dt >= 0.5 * run_s:
+            break
+        iters = max(iters, min(64 * iters, <int64_t>(rate * run_s) + 1))
+    iters = max(256, <int64_t>(rate * run_s))
+    best = 0.0
+    for _ in range(nrep):
+        best = max(best, iters * per_round / _peak_once(k, s, iters, nt, per_round))
+    return best
+
+
+cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) except -1:
+    """Seconds one run of the probe took; checks the lanes it counted and its
+    checksum: with a = 0.5, b = 1 every lane ends at exactly 2 after >= 256
+    rounds (2^-256 times any start is below half an ulp of 2)."""
+    import time
+    cdef uint64_t lanes
+    cdef double total = 0.0
+    t0 = time.perf_counter()
+    with nogil:
+        lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
+    dt = time.perf_counter() - t0
+    if total != 2.0 * per_round or lanes != <uint64_t>iters * per_round:
+        raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
+                           f"{iters * per_round} lanes with checksum {2.0 * per_round}")
+    return max(dt, 1e-9)

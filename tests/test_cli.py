@@ -54,9 +54,28 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
                 assert 0 < res["max_rel_err_vs_pagedkv"] <= kv_rows[name]
             elif name not in ("pagedkv", "kv-pattern read"):  # each baseline was checked
                 assert res["max_rel_err_vs_pagedkv"] <= 1e-4
+    # the kernel with K/V in L2 against the measured FMA peak, 1 thread, every storage dtype
+    peaks = {r["kind"]: r for r in data["records"] if r["suite"] == "instruction-peak"}
+    assert set(peaks) == {"fma_f32", "fma_f64"}
+    assert all(_positive_finite(r["lanes_per_s"]) and r["threads"] == 1 for r in peaks.values())
+    l2 = [r for r in data["records"] if r["suite"] == "decode-l2"]
+    assert sorted(r["dtype"] for r in l2) == ["float32", "float64"]
+    for r in l2:
+        assert r["threads"] == 1 and r["B"] == 1 and r["l2_bytes"] > 0
+        assert r["peak_lanes_per_s"] == peaks[r["peak_kind"]]["lanes_per_s"]
+        assert set(r["results"]) == {"pagedkv"} | set(kv_rows)
+        for res in r["results"].values():
+            assert res["L"] >= 1 and res["kv_bytes"] <= r["l2_bytes"] // 2
+            assert res["fma_lanes"] == 2 * r["Hq"] * res["L"] * r["D"]
+            assert _positive_finite(res["lanes_per_s"]) and _positive_finite(res["pct_peak"])
+            assert math.isclose(res["pct_peak"],
+                                100 * res["lanes_per_s"] / r["peak_lanes_per_s"])
+            assert len(res["samples_s"]) == 2
+    assert [d["dtype"] for d in data["targets"]["decode_l2"]] == ["float32", "float64"]
     out = capsys.readouterr().out
     assert "Decode" in out and "Targets" in out and "pagedkv speedup" in out
     assert "pagedkv-i8" in out
+    assert "FMA peak of one core" in out and "Decode with K/V in L2" in out and "%peak" in out
 
 
 def test_bench_decode_without_kv_dtypes(tmp_path):
@@ -65,6 +84,8 @@ def test_bench_decode_without_kv_dtypes(tmp_path):
     dec = [r for r in data["records"] if r["suite"] == "decode"]
     assert dec and all(r["kv_dtypes"] == [] for r in dec)
     assert all(set(r["results"]) == {"pagedkv", "kv-pattern read", "numpy", "numpy-gather"} for r in dec)
+    l2 = [r for r in data["records"] if r["suite"] == "decode-l2"]
+    assert len(l2) == 1 and set(l2[0]["results"]) == {"pagedkv"}
 
 
 def test_bench_prefill_append_without_torch(tmp_path, capsys):

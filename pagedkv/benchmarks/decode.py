@@ -35,11 +35,25 @@ Figures: GB/s = K+V bytes of the B sequences (read once per step) / time;
 %pat = pagedkv's GB/s / the pattern read's GB/s, paired per round (the median
 over rounds of the ratio measured in the same round); GFLOP/s =
 4 * B * Hq * L * D / time (two multiply-adds per key and query head element).
+
+The arithmetic ceiling, measured once per run (1 thread, whatever --threads):
+
+* ``instruction peak``: ``pagedkv._core.instruction_peak(kind)``, the FMA
+  lanes per second of one core on the active SIMD path (include/pagedkv/
+  peak.h: 12 independent FMA chains, best of short runs); kind ``fma_f32``
+  for f32 compute, ``fma_f64`` for f64 (bf16 / f16 / int8 storage is widened
+  on load and folded with the compute type's FMAs).
+* ``decode in L2``: B=1, the suite's heads, L sized so that the stored K+V
+  is about half of this core's L2 (read from sysfs, else 1 MiB assumed), one
+  configuration per storage dtype, timed like the rest.  FMA lanes/s =
+  2 * Hq * L * D / time (one multiply-add per query head and stored K or V
+  element); %peak = that / the instruction peak.
 """
 from __future__ import annotations
 
 import gc
 import math
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -51,6 +65,7 @@ from pagedkv.benchmarks.common import (
     Settings,
     ThreadScope,
     check_close,
+    fmt_bytes,
     fmt_num,
     fmt_pct,
     fmt_spread,
@@ -104,7 +119,7 @@ def configs(settings: Settings) -> List[Tuple[int, int]]:
 
 
 def steps(settings: Settings) -> int:
-    return len(settings.dtypes) * len(configs(settings)) * len(settings.threads)
+    return len(settings.dtypes) * (len(configs(settings)) * len(settings.threads) + 1)
 
 
 def _fill(cache, sids, K, V, bs):
@@ -292,6 +307,7 @@ def run(settings: Settings) -> List[dict]:
                 case.close()
                 del case
                 gc.collect()
+    recs.extend(run_l2(settings))
     return recs
 
 
@@ -352,7 +368,213 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -
             "ratios": ratios, "skipped": skipped, "kv_dtypes": list(case.kv)}
 
 
+# ---------------------------------------------------------------------------
+# the arithmetic ceiling: instruction peak, and decode with K/V in L2
+
+L2_SUITE = "decode-l2"
+PEAK_SUITE = "instruction-peak"
+L2_DEFAULT_BYTES = 1 << 20
+
+
+def _parse_cache_size(text: str) -> int:
+    """sysfs cache size ('1024K', '2M', '512') in bytes."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if mult > 1 else text) * mult
+
+
+def l2_cache_bytes() -> Tuple[int, str]:
+    """(size of the L2 of the first CPU this process may run on, 'sysfs'), or
+    (1 MiB, 'assumed') where sysfs does not say."""
+    try:
+        cpus = [min(os.sched_getaffinity(0)), 0]
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - non-Linux
+        cpus = [0]
+    for cpu in dict.fromkeys(cpus):
+        base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
+        try:
+            names = sorted(n for n in os.listdir(base) if n.startswith("index"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(base, name, "level")) as f:
+                    level = f.read().strip()
+                with open(os.path.join(base, name, "type")) as f:
+                    kind = f.read().strip()
+                with open(os.path.join(base, name, "size")) as f:
+                    size = _parse_cache_size(f.read())
+            except (OSError, ValueError):
+                continue
+            if level == "2" and kind in ("Data", "Unified") and size > 0:
+                return size, "sysfs"
+    return L2_DEFAULT_BYTES, "assumed"
+
+
+def peak_kind(dtype: str) -> str:
+    """The instruction the kernels of compute dtype `dtype` are built on:
+    every storage dtype is widened on load to the compute type and folded
+    with its FMAs.  (A kernel built on a dot-product instruction would map
+    its storage to that instruction's kind here.)"""
+    return "fma_f64" if np.dtype(dtype) == np.float64 else "fma_f32"
+
+
+def _reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float) -> np.ndarray:
+    """Decode in float64: q [1, Hq, D], K, V [1, Hkv, L, D] -> [1, Hq, D]."""
+    hq, hkv = q.shape[1], K.shape[1]
+    qf = q.astype(np.float64).reshape(hkv, hq // hkv, -1)
+    s = np.matmul(qf * scale, K[0].astype(np.float64).transpose(0, 2, 1))  # [Hkv, G, L]
+    den = _softmax_rows_inplace(s)
+    return (np.matmul(s, V[0].astype(np.float64)) / den).reshape(q.shape)
+
+
+class _L2Case:
+    """B=1 decode, one cache per storage dtype, each with L tokens so that
+    its stored K+V is about half of the L2."""
+
+    def __init__(self, dtype: str, sh: Shape, l2_bytes: int, kv_dtypes, seed: int):
+        import pagedkv
+
+        dt = np.dtype(dtype)
+        rng = np.random.default_rng(seed)
+        self.dtype, self.sh = dtype, sh
+        self.scale = 1.0 / math.sqrt(sh.d)
+        self.q = rng.standard_normal((1, sh.hq, sh.d), dtype=dt)
+        # name -> {"kv_dtype", "L", "kv_bytes", "cache", "sid", "out", "want"}
+        self.entries: Dict[str, dict] = {}
+        for kv_dtype in [dtype] + [k for k in kv_dtypes if k != dtype]:
+            geom = dict(block_size=BLOCK_SIZE, num_kv_heads=sh.hkv, head_dim=sh.d, dtype=dtype,
+                        kv_dtype=kv_dtype, max_seqs=1)
+            per_block = pagedkv.PagedKVCache(num_blocks=1, **geom).bytes_per_block
+            L = max(1, (l2_bytes // 2) * BLOCK_SIZE // per_block)  # tokens, not whole blocks
+            nblk = -(-L // BLOCK_SIZE)
+            cache = pagedkv.PagedKVCache(num_blocks=nblk, max_blocks_per_seq=nblk, **geom)
+            sid = cache.add_sequence()
+            K = rng.standard_normal((1, sh.hkv, L, sh.d), dtype=dt)
+            V = rng.standard_normal((1, sh.hkv, L, sh.d), dtype=dt)
+            _fill(cache, [sid], K, V, BLOCK_SIZE)
+            name = PAGEDKV if kv_dtype == dtype else kv_impl(kv_dtype)
+            self.entries[name] = {"kv_dtype": kv_dtype, "L": L,
+                                  "kv_bytes": L * per_block // BLOCK_SIZE, "cache": cache,
+                                  "sid": sid, "out": np.empty_like(self.q),
+                                  "want": _reference(self.q, K, V, self.scale)}
+
+    def runner(self, name: str):
+        e = self.entries[name]
+        attend, sids, q, out = e["cache"].attend_batch, [e["sid"]], self.q, e["out"]
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                attend(sids, q, out=out)
+        return run
+
+    def verify(self) -> Dict[str, float]:
+        """Each output against the float64 reference of its own K/V."""
+        errors = {}
+        for name, e in self.entries.items():
+            got, want = e["out"].astype(np.float64), e["want"]
+            err = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-30)
+            tol = KV_CHECK_TOL.get(e["kv_dtype"], 1e-4 if self.dtype == "float32" else 1e-10)
+            if not err <= tol:
+                raise AssertionError(f"decode in L2, {name}: max error {err:.3g} / max |out| "
+                                     f"against float64 exceeds {tol:g}")
+            errors[name] = err
+        return errors
+
+    def close(self) -> None:
+        for e in self.entries.values():
+            e["cache"].free(e["sid"])
+        self.__dict__.clear()
+
+
+def run_l2(settings: Settings) -> List[dict]:
+    """The instruction peak of each compute dtype's kind (1 thread), then
+    decode with K/V in L2 for every storage dtype of the run (1 thread)."""
+    import pagedkv
+    from pagedkv._core import instruction_peak
+
+    sh = shape(settings)
+    l2, l2_source = l2_cache_bytes()
+    simd = pagedkv.simd_backend()
+    recs: List[dict] = []
+    peaks: Dict[str, float] = {}
+    seconds = 0.005 if settings.tiny else 0.05
+    for di, dtype in enumerate(settings.dtypes):
+        if settings.progress is not None:
+            settings.progress.start(f"decode {short_dtype(dtype)} in L2, instruction peak")
+        kind = peak_kind(dtype)
+        if kind not in peaks:
+            peaks[kind] = float(instruction_peak(kind, threads=1, seconds=seconds))
+            recs.append({"suite": PEAK_SUITE, "kind": kind, "simd": simd, "threads": 1,
+                         "lanes_per_s": peaks[kind]})
+        case = _L2Case(dtype, sh, l2, settings.kv_dtypes, seed=7000 + di)
+        try:
+            impls = {name: Impl(case.runner(name)) for name in case.entries}
+            with ThreadScope(1):
+                first = timed_once(impls)
+                errors = case.verify()
+                timings = measure(impls, settings, prior=first)
+            results = {}
+            for name, tm in timings.items():
+                e = case.entries[name]
+                lanes = 2 * sh.hq * e["L"] * sh.d
+                rate = lanes / tm.median
+                results[name] = {**tm.as_dict(), "kv_dtype": e["kv_dtype"], "L": e["L"],
+                                 "kv_bytes": e["kv_bytes"], "fma_lanes": lanes,
+                                 "lanes_per_s": rate, "pct_peak": 100.0 * rate / peaks[kind],
+                                 "max_rel_err_vs_float64": errors[name]}
+            recs.append({"suite": L2_SUITE, "dtype": dtype, "threads": 1, "B": 1, "Hq": sh.hq,
+                         "Hkv": sh.hkv, "D": sh.d, "block_size": BLOCK_SIZE, "l2_bytes": l2,
+                         "l2_source": l2_source, "simd": simd, "peak_kind": kind,
+                         "peak_lanes_per_s": peaks[kind], "results": results})
+        finally:
+            case.close()
+            del case
+            gc.collect()
+        if settings.progress is not None:
+            settings.progress.step()
+    return recs
+
+
+def _peak_line(recs: List[dict]) -> str:
+    peaks = [r for r in recs if r["suite"] == PEAK_SUITE]
+    if not peaks:
+        return ""
+    return (f"FMA peak of one core ({peaks[0]['simd']} path, 1 thread, best of short runs of "
+            "12 independent FMA chains): "
+            + ", ".join(f"{r['kind']} {fmt_num(r['lanes_per_s'] / 1e9)} G lanes/s"
+                        for r in peaks) + ".")
+
+
+def report_l2(recs: List[dict]) -> str:
+    recs = [r for r in recs if r["suite"] == L2_SUITE]
+    if not recs:
+        return ""
+    r0 = recs[0]
+    src = "" if r0["l2_source"] == "sysfs" else ", assumed: sysfs does not say"
+    head = (f"Decode with K/V in L2 (1 thread, B=1, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}; "
+            f"L sized so the stored K+V is about half of the {fmt_bytes(r0['l2_bytes'])} L2"
+            f"{src}).\nG lanes/s = 2 * Hq * L * D / time (one multiply-add per query head and "
+            "stored K or V element); %peak = that / the FMA peak\nof the compute type, fma_f32 "
+            "or fma_f64 (bf16/f16/i8 storage is widened on load and folded with the compute "
+            "type's FMAs).")
+    rows = []
+    for r in recs:
+        first = True
+        for name, res in r["results"].items():
+            rows.append([short_dtype(r["dtype"]) if first else "", name, str(res["L"]),
+                         fmt_bytes(res["kv_bytes"]), fmt_time(res["median_s"]), fmt_spread(res),
+                         fmt_num(res["lanes_per_s"] / 1e9),
+                         fmt_pct(res["pct_peak"])])
+            first = False
+    right = [False, False, True, True, True, True, True, True]
+    return head + "\n" + table(["dtype", "impl", "L", "K+V", "time/call", "spread", "G lanes/s",
+                                 "%peak"], rows, right)
+
+
 def report(settings: Settings, recs: List[dict]) -> str:
+    peak = _peak_line(recs)
+    l2 = report_l2(recs)
     recs = [r for r in recs if r["suite"] == "decode"]
     if not recs:
         return ""
@@ -365,7 +587,8 @@ def report(settings: Settings, recs: List[dict]) -> str:
             "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
             "faster);\nspread = (max - min) / median of the rounds.  pagedkv-bf16/f16/i8: "
             "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
-            "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read.")
+            "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read."
+            + ("\n" + peak if peak else ""))
     rows = []
     for r in recs:
         first = True
@@ -387,5 +610,6 @@ def report(settings: Settings, recs: List[dict]) -> str:
                                fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
                                flops, speed])
     right = [False, True, True, True, False, True, True, True, True, True, True, True]
-    return head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
+    main = head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
                                 "%BW", "%pat", "GFLOP/s", "pagedkv speedup"], rows, right)
+    return main + ("\n\n" + l2 if l2 else "")

@@ -286,7 +286,8 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
     the configuration was not run)."""
     tmax = max(settings.threads)
     tcounts = sorted(set(settings.threads) & {1, tmax}) or sorted(settings.threads)
-    out: dict = {"decode": [], "small_call": [], "prefill": None, "append": None}
+    out: dict = {"decode": [], "decode_l2": [], "small_call": [], "prefill": None,
+                 "append": None}
     for dtype in ("float32", "float64"):
         for B, L in ((8, 2048), (1, 8192)):
             for t in tcounts:
@@ -301,6 +302,16 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
                     "time_s": p["median_s"],
                     "torch_time_s": tr["median_s"] if tr else None,
                     "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
+    for dtype in ("float32", "float64"):  # the kernel against the FMA peak, K/V in L2
+        r = _find(records, suite=decode_suite.L2_SUITE, dtype=dtype)
+        if r is None:
+            continue
+        p = r["results"][PAGEDKV]
+        out["decode_l2"].append({
+            "dtype": dtype, "B": 1, "L": p["L"], "threads": 1, "time_s": p["median_s"],
+            "lanes_per_s": p["lanes_per_s"], "pct_peak": p["pct_peak"],
+            "peak_kind": r["peak_kind"], "peak_lanes_per_s": r["peak_lanes_per_s"],
+            "simd": r["simd"]})
     for dtype in ("float32", "float64"):
         for t in tcounts:
             r = _find(records, suite="decode", dtype=dtype, B=1, L=16, threads=t)
@@ -342,6 +353,12 @@ def format_targets(t: dict) -> str:
                      f"of measured BW, {fmt_pct(d.get('pct_pattern'))} of the pattern read",
                      f"torch-sdpa(folded GQA) {fmt_time(d['torch_time_s'])}",
                      fmt_ratio(d["ratio_vs_torch"])])
+    for d in t["decode_l2"]:
+        rows.append([f"decode {short_dtype(d['dtype'])} K/V in L2 B=1 L={d['L']}",
+                     str(d["threads"]), fmt_time(d["time_s"]),
+                     f"{fmt_num(d['lanes_per_s'] / 1e9)} G FMA lanes/s = "
+                     f"{fmt_pct(d['pct_peak'])} of the {d['peak_kind']} peak",
+                     f"peak {fmt_num(d['peak_lanes_per_s'] / 1e9)} G lanes/s ({d['simd']})", ""])
     for d in t["small_call"]:
         rows.append([f"small call {short_dtype(d['dtype'])} B=1 L=16", str(d["threads"]),
                      fmt_time(d["us_per_call"] * 1e-6), "per attend_batch call",
