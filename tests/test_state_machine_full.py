@@ -475,7 +475,7 @@ class FullMachine(RuleBasedStateMachine):
         elif damage == "magic":
             raw[:4] = b"GGUF"
         elif damage == "version":
-            raw[8:12] = struct.pack("<I", 2)
+            raw[8:12] = struct.pack("<I", 3)  # a version this pagedkv does not read
         else:  # edit the header and write a valid checksum: the contents are inconsistent
             (hlen,) = struct.unpack_from("<I", raw, 12)
             header = json.loads(raw[16:16 + hlen])
