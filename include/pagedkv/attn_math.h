@@ -12,6 +12,8 @@
  *   VSUB(a, b) VMAX(a, b) VMIN(a, b)
  *   VFMA(a, b, c)  a * b + c
  *   VREDUCE(x)     horizontal sum -> T
+ *   VHMAX(x)       horizontal max -> T
+ *   PKV_SC_NV, PKV_PV_NV  key / output vectors per register tile (attn_impl.h)
  *   VROUND(x)      round to nearest integer (as T)
  *   VSCALE2K(p, k) p * 2^k for integral k in the normal exponent range
  */
