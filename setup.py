@@ -7,6 +7,7 @@ accepts it; without it the kernels run single-threaded.
 Environment:
   PAGEDKV_DEBUG=1    -O0 -g and Cython bounds checks back on (release builds carry no
                      debug information and, on Linux, link stripped: a lean wheel)
+  PAGEDKV_PROFILE=1  release optimization with debug information, not stripped (for perf)
   PAGEDKV_OPENMP=0   build without OpenMP
   PAGEDKV_SANITIZE=address,undefined
                      build with AddressSanitizer and/or UndefinedBehaviorSanitizer
@@ -24,6 +25,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") not in ("", "0")
+PROFILE = os.environ.get("PAGEDKV_PROFILE", "0") not in ("", "0")
 
 
 def _sanitizers():
@@ -69,10 +71,11 @@ class BuildExt(build_ext):
             print("pagedkv: building without OpenMP (kernels run single-threaded)", file=sys.stderr)
         for ext in self.extensions:
             if unix:
-                opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g0"]
+                opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g" if PROFILE else "-g0"]
                 ext.extra_compile_args = opt + ["-std=c11", "-fno-strict-aliasing",
                                                 "-Wno-unused-function"] + openmp
-                strip = ["-s"] if not (DEBUG or SANITIZE) and sys.platform.startswith("linux") else []
+                strip = (["-s"] if not (DEBUG or SANITIZE or PROFILE) and sys.platform.startswith("linux")
+                         else [])
                 ext.extra_link_args = list(openmp) + strip
                 if SANITIZE:  # after the optimization flags, so its -O1 wins
                     ext.extra_compile_args += SANITIZE

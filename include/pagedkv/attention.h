@@ -39,6 +39,10 @@ typedef struct {
 #ifndef PKV_PREFETCH_UNITS
 #define PKV_PREFETCH_UNITS 1
 #endif
+/* the unit prefetched while one is read: this many units ahead (kvread.h) */
+#ifndef PKV_PF_UNITS_AHEAD
+#define PKV_PF_UNITS_AHEAD 1
+#endif
 #define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
 
 /* blocks per tile, and the columns of a tile's score rows (>= its keys,

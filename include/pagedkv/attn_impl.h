@@ -47,31 +47,48 @@
  * e[v] the key vectors (pkv_kvec: K^T at dim 0 of lane 0, int8 scales at
  * group 0 of lane 0), stride = items from one dimension to the next.  The
  * results go to out[r * NV + v]. */
-#define PKV_SCORES_MK(NAME, R, NV)                                                          \
-    static inline void KFN(NAME)(const T *const *q, const pkv_kvec *e, size_t stride, \
+#define PKV_SCORES_MK(NAME, R, NV, DS)                                                      \
+    static inline void KFN(NAME)(const T *const *q, const pkv_kvec *e, size_t stride,       \
                                  int d, VEC *out, pkv_pfs *ps) {                            \
-        VEC acc[R][NV];                                                                     \
+        VEC acc[DS][R][NV];                                                                 \
         const S *kp[NV];                                                                    \
         for (int v = 0; v < NV; v++) kp[v] = (const S *)e[v].k;                             \
-        for (int r = 0; r < R; r++)                                                         \
-            for (int v = 0; v < NV; v++) acc[r][v] = VZERO();                               \
+        for (int u = 0; u < DS; u++)                                                        \
+            for (int r = 0; r < R; r++)                                                     \
+                for (int v = 0; v < NV; v++) acc[u][r][v] = VZERO();                        \
         PKV_PFS_BEGIN(ps)                                                                   \
         for (int i0 = 0; i0 < d; i0 += PKV_KGROUP) {                                        \
             const int i1 = d - i0 < PKV_KGROUP ? d : i0 + PKV_KGROUP;                       \
             PKV_SC_GROUP_SCALES(NV)                                                         \
-            for (int i = i0; i < i1; i++) {                                                 \
-                VEC x[NV];                                                                  \
+            int i = i0;                                                                     \
+            for (; i + DS <= i1; i += DS) {                                                 \
                 PKV_PFS_STEP                                                                \
+                for (int u = 0; u < DS; u++) {                                              \
+                    VEC x[NV];                                                              \
+                    for (int v = 0; v < NV; v++)                                            \
+                        x[v] = PKV_SC_LOADK(kp[v] + (size_t)(i + u) * stride, v);           \
+                    for (int r = 0; r < R; r++) {                                           \
+                        const VEC qb = VSET1(q[r][i + u]);                                  \
+                        for (int v = 0; v < NV; v++) acc[u][r][v] = VFMA(qb, x[v], acc[u][r][v]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            for (; i < i1; i++) {                                                           \
+                VEC x[NV];                                                                  \
                 for (int v = 0; v < NV; v++) x[v] = PKV_SC_LOADK(kp[v] + (size_t)i * stride, v); \
                 for (int r = 0; r < R; r++) {                                               \
                     const VEC qb = VSET1(q[r][i]);                                          \
-                    for (int v = 0; v < NV; v++) acc[r][v] = VFMA(qb, x[v], acc[r][v]);     \
+                    for (int v = 0; v < NV; v++) acc[0][r][v] = VFMA(qb, x[v], acc[0][r][v]); \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
         PKV_PFS_END(ps)                                                                     \
         for (int r = 0; r < R; r++)                                                         \
-            for (int v = 0; v < NV; v++) out[r * NV + v] = acc[r][v];                       \
+            for (int v = 0; v < NV; v++) {                                                  \
+                VEC t = acc[0][r][v];                                                       \
+                for (int u = 1; u < DS; u++) t = VADD(t, acc[u][r][v]);                     \
+                out[r * NV + v] = t;                                                        \
+            }                                                                               \
     }
 
 #if PKV_STORE_SCALED
@@ -84,10 +101,13 @@
 #define PKV_SC_LOADK(p, v) SLOAD(p)
 #endif
 
-PKV_SCORES_MK(sc_4xn, 4, PKV_SC_NV)
-PKV_SCORES_MK(sc_4x1, 4, 1)
-PKV_SCORES_MK(sc_1xn, 1, PKV_SC_NV)
-PKV_SCORES_MK(sc_1x1, 1, 1)
+/* register tiles: rows x key vectors, and DS independent sets of accumulators
+ * over alternate dimensions where the tile alone would give fewer than 8
+ * chains of multiply-adds (the FMA latency x the FMA units) */
+PKV_SCORES_MK(sc_4xn, 4, PKV_SC_NV, 1)
+PKV_SCORES_MK(sc_4x1, 4, 1, 2)
+PKV_SCORES_MK(sc_1xn, 1, PKV_SC_NV, 2)
+PKV_SCORES_MK(sc_1x1, 1, 1, 4)
 #undef PKV_SC_GROUP_SCALES
 #undef PKV_SC_LOADK
 
@@ -176,33 +196,52 @@ typedef struct {
 } KFN(run_t);
 
 /* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]. */
-#define PKV_PV_MK(NAME, R, NV)                                                              \
+#define PKV_PV_MK(NAME, R, NV, JS)                                                          \
     static inline void KFN(NAME)(T *const *y, const T *alpha, const T *const *p,           \
                                  const KFN(run_t) *runs, int nr, size_t bs, int d, int i,   \
                                  pkv_pfs *ps) {                                             \
-        VEC acc[R][NV];                                                                     \
+        VEC acc[JS][R][NV];                                                                 \
         for (int r = 0; r < R; r++) {                                                       \
             const VEC al = VSET1(alpha[r]);                                                 \
-            for (int v = 0; v < NV; v++) acc[r][v] = VMUL(VLOAD(y[r] + i + v * W), al);     \
+            for (int v = 0; v < NV; v++) {                                                  \
+                acc[0][r][v] = VMUL(VLOAD(y[r] + i + v * W), al);                           \
+                for (int u = 1; u < JS; u++) acc[u][r][v] = VZERO();                        \
+            }                                                                               \
         }                                                                                   \
         PKV_PFS_BEGIN(ps)                                                                   \
-        for (int u = 0; u < nr; u++) {                                                      \
-            const S *vr = runs[u].v + (size_t)runs[u].off * d + i;                          \
-            const int n = runs[u].n, col = runs[u].col;                                     \
+        for (int ru = 0; ru < nr; ru++) {                                                   \
+            const S *vr = runs[ru].v + (size_t)runs[ru].off * d + i;                        \
+            const int n = runs[ru].n, col = runs[ru].col;                                   \
             PKV_PV_SCALES(NV)                                                               \
-            for (int j = 0; j < n; j++) {                                                   \
-                VEC x[NV];                                                                  \
+            int j = 0;                                                                      \
+            for (; j + JS <= n; j += JS) {                                                  \
                 PKV_PFS_STEP                                                                \
+                for (int u = 0; u < JS; u++) {                                              \
+                    VEC x[NV];                                                              \
+                    for (int v = 0; v < NV; v++)                                            \
+                        x[v] = PKV_PV_LOADV(vr + (size_t)(j + u) * d + v * W, v, j + u);    \
+                    for (int r = 0; r < R; r++) {                                           \
+                        const VEC pb = VSET1(p[r][col + j + u]);                            \
+                        for (int v = 0; v < NV; v++) acc[u][r][v] = VFMA(pb, x[v], acc[u][r][v]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            for (; j < n; j++) {                                                            \
+                VEC x[NV];                                                                  \
                 for (int v = 0; v < NV; v++) x[v] = PKV_PV_LOADV(vr + (size_t)j * d + v * W, v, j); \
                 for (int r = 0; r < R; r++) {                                               \
                     const VEC pb = VSET1(p[r][col + j]);                                    \
-                    for (int v = 0; v < NV; v++) acc[r][v] = VFMA(pb, x[v], acc[r][v]);     \
+                    for (int v = 0; v < NV; v++) acc[0][r][v] = VFMA(pb, x[v], acc[0][r][v]); \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
         PKV_PFS_END(ps)                                                                     \
         for (int r = 0; r < R; r++)                                                         \
-            for (int v = 0; v < NV; v++) VSTORE(y[r] + i + v * W, acc[r][v]);               \
+            for (int v = 0; v < NV; v++) {                                                  \
+                VEC t = acc[0][r][v];                                                       \
+                for (int u = 1; u < JS; u++) t = VADD(t, acc[u][r][v]);                     \
+                VSTORE(y[r] + i + v * W, t);                                                \
+            }                                                                               \
     }
 
 #if PKV_STORE_SCALED
@@ -210,17 +249,17 @@ typedef struct {
 #define PKV_PV_SCALES(NV)                                                                   \
     const float *vs[NV];                                                                    \
     for (int v = 0; v < NV; v++)                                                            \
-        vs[v] = runs[u].vsc + (size_t)((i + v * W) / PKV_I8_GROUP) * bs + runs[u].off;
+        vs[v] = runs[ru].vsc + (size_t)((i + v * W) / PKV_I8_GROUP) * bs + runs[ru].off;
 #define PKV_PV_LOADV(p, v, j) VMUL(SLOAD(p), VSET1((T)vs[v][j]))
 #else
 #define PKV_PV_SCALES(NV) (void)bs;
 #define PKV_PV_LOADV(p, v, j) SLOAD(p)
 #endif
 
-PKV_PV_MK(pv_4xn, 4, PKV_PV_NV)
-PKV_PV_MK(pv_4x1, 4, 1)
-PKV_PV_MK(pv_1xn, 1, PKV_PV_NV)
-PKV_PV_MK(pv_1x1, 1, 1)
+PKV_PV_MK(pv_4xn, 4, PKV_PV_NV, 1)
+PKV_PV_MK(pv_4x1, 4, 1, 2)
+PKV_PV_MK(pv_1xn, 1, PKV_PV_NV, 2)
+PKV_PV_MK(pv_1x1, 1, 1, 4)
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 
@@ -451,8 +490,8 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
         pkv_pfs_start(ps);                                                                 \
     } while (0)
     const int64_t nunits = (int64_t)ntiles * 2 * nh;
-    if (nunits > 0) { /* the first unit, at once */
-        PKV_UNIT_SLICES(0, &pfs);
+    for (int64_t u0 = 0; u0 < PKV_PF_UNITS_AHEAD && u0 < nunits; u0++) { /* the first units, at once */
+        PKV_UNIT_SLICES(u0, &pfs);
         pkv_pfs_finish(&pfs);
     }
     int sgi = 0;
@@ -502,8 +541,8 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             for (int hh = 0; hh < nh; hh++) {
                 const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
                 pkv_pfs *ps = NULL;
-                if (PKV_PREFETCH_UNITS && unit + 1 < nunits) {
-                    PKV_UNIT_SLICES(unit + 1, &pfs);
+                if (PKV_PREFETCH_UNITS && unit + PKV_PF_UNITS_AHEAD < nunits) {
+                    PKV_UNIT_SLICES(unit + PKV_PF_UNITS_AHEAD, &pfs);
                     /* spread the next unit's lines over this unit's inner steps */
                     const int64_t lines = (int64_t)pfs.n * (int64_t)((hstride + 63) / 64);
                     const int64_t kvecs = (nk + W - 1) / W;

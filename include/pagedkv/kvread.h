@@ -163,6 +163,9 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
  * per step of its inner loop (the next block may be anywhere in the pool,
  * where no hardware prefetcher looks), so the requests are spread over the
  * unit's arithmetic instead of issued in a burst. */
+#ifndef PKV_PF_STRIDE
+#define PKV_PF_STRIDE 64
+#endif
 #ifndef PKV_PF_LOCALITY
 #define PKV_PF_LOCALITY 3
 #endif
@@ -181,7 +184,7 @@ typedef struct {
     const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL; \
     const int pf_k_ = pf_s_ ? pf_s_->per_step : 0;
 #define PKV_PFS_STEP                                                               \
-    for (int pf_i_ = 0; pf_i_ < pf_k_ && pf_at_ < pf_end_; pf_i_++, pf_at_ += 64) \
+    for (int pf_i_ = 0; pf_i_ < pf_k_ && pf_at_ < pf_end_; pf_i_++, pf_at_ += PKV_PF_STRIDE) \
         __builtin_prefetch(pf_at_, 0, PKV_PF_LOCALITY);                                          \
     if (pf_k_ && pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);
 #define PKV_PFS_END(ps)                                                            \
@@ -210,7 +213,7 @@ static inline void pkv_pfs_start(pkv_pfs *s) {
 /* issue whatever the steps left (the unit ended before its estimate) */
 static inline void pkv_pfs_finish(pkv_pfs *s) {
     while (s->at < s->end) {
-        for (; s->at < s->end; s->at += 64) __builtin_prefetch(s->at, 0, PKV_PF_LOCALITY);
+        for (; s->at < s->end; s->at += PKV_PF_STRIDE) __builtin_prefetch(s->at, 0, PKV_PF_LOCALITY);
         pkv_pfs_next(s, &s->at, &s->end);
     }
 }
