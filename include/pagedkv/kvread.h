@@ -212,8 +212,11 @@ static inline void pkv_pfs_start(pkv_pfs *s) {
 
 /* issue whatever the steps left (the unit ended before its estimate) */
 static inline void pkv_pfs_finish(pkv_pfs *s) {
-    while (s->at < s->end) {
-        for (; s->at < s->end; s->at += PKV_PF_STRIDE) __builtin_prefetch(s->at, 0, PKV_PF_LOCALITY);
-        pkv_pfs_next(s, &s->at, &s->end);
+    const char *at = s->at, *end = s->end;
+    while (at < end) {
+        for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, PKV_PF_LOCALITY);
+        pkv_pfs_next(s, &at, &end);
     }
+    s->at = at;
+    s->end = end;
 }
