@@ -536,20 +536,14 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             }
         }
 #endif
-        const int rgroups = na == 1 ? 1 : (na + 3) / 4;
         for (int ph = 0; ph < 2; ph++) {
             for (int hh = 0; hh < nh; hh++) {
                 const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
                 pkv_pfs *ps = NULL;
                 if (PKV_PREFETCH_UNITS && unit + PKV_PF_UNITS_AHEAD < nunits) {
                     PKV_UNIT_SLICES(unit + PKV_PF_UNITS_AHEAD, &pfs);
-                    /* spread the next unit's lines over this unit's inner steps */
-                    const int64_t lines = (int64_t)pfs.n * (int64_t)((hstride + 63) / 64);
-                    const int64_t kvecs = (nk + W - 1) / W;
-                    int64_t steps = ph == 0 ? (int64_t)rgroups * ((kvecs + PKV_SC_NV - 1) / PKV_SC_NV) * d
-                                            : (int64_t)rgroups * ((d + PKV_PV_NV * W - 1) / (PKV_PV_NV * W)) * nk;
-                    if (steps < 1) steps = 1;
-                    pfs.per_step = (int)((lines + steps - 1) / steps);
+                    /* the micro-kernels issue PKV_PF_LINES of its lines per inner step;
+                     * pkv_pfs_finish issues what is left when the unit ends */
                     ps = &pfs;
                 }
                 for (int u = 0; u < cnt; u++) {

@@ -174,19 +174,26 @@ typedef struct {
     int n, cur;        /* slices; the one being prefetched */
     size_t len;        /* bytes per slice */
     const char *at, *end; /* next line to prefetch in slice cur, and its end */
-    int per_step;      /* lines per step */
 } pkv_pfs;
 
 /* A kernel's inner loop steps a local copy (kept in registers) and writes it
- * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP; } PKV_PFS_END(ps); */
+ * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP; } PKV_PFS_END(ps);
+ * A step issues PKV_PF_LINES lines (the units' slices are whole multiples of
+ * that in the common geometries; a step may run a little past a slice's end,
+ * which a prefetch tolerates), with one branch when nothing is left. */
+#ifndef PKV_PF_LINES
+#define PKV_PF_LINES 4
+#endif
 #define PKV_PFS_BEGIN(ps)                                                          \
     pkv_pfs *pf_s_ = (ps);                                                         \
-    const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL; \
-    const int pf_k_ = pf_s_ ? pf_s_->per_step : 0;
+    const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL;
 #define PKV_PFS_STEP                                                               \
-    for (int pf_i_ = 0; pf_i_ < pf_k_ && pf_at_ < pf_end_; pf_i_++, pf_at_ += PKV_PF_STRIDE) \
-        __builtin_prefetch(pf_at_, 0, PKV_PF_LOCALITY);                                          \
-    if (pf_k_ && pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);
+    if (pf_at_ < pf_end_) {                                                        \
+        for (int pf_i_ = 0; pf_i_ < PKV_PF_LINES; pf_i_++)                         \
+            __builtin_prefetch(pf_at_ + pf_i_ * PKV_PF_STRIDE, 0, PKV_PF_LOCALITY); \
+        pf_at_ += PKV_PF_LINES * PKV_PF_STRIDE;                                    \
+        if (pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);             \
+    }
 #define PKV_PFS_END(ps)                                                            \
     if (pf_s_) {                                                                   \
         pf_s_->at = pf_at_;                                                        \
@@ -200,7 +207,7 @@ static inline void pkv_pfs_next(pkv_pfs *s, const char **at, const char **end) {
         *at = s->p[s->cur];
         *end = *at + s->len;
     } else {
-        *at = *end; /* done */
+        *at = *end; /* done: at == end stops the steps */
     }
 }
 
