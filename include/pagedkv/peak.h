@@ -56,188 +56,80 @@ enum {
  * (PKV_PEAK_CHAINS * width * iters) and the sum of the final lanes in *sum. */
 typedef uint64_t (*pkv_peak_fn)(int64_t iters, double a, double b, double *sum);
 
-/* The body of a probe loop, written once over a small vocabulary the
- * function defines before it: PKV_PK_V (vector type), PKV_PK_E (element
- * type), PKV_PK_W (lanes per vector), PKV_PK_SET1(x), PKV_PK_LOAD(p),
- * PKV_PK_STORE(p, v), PKV_PK_FMA(c, a, b) = c * a + b.  The chains are
- * spelled out (c0 .. c11), so they live in registers at every -O level that
- * keeps locals in registers, and no inner loop is left to the unroller.
- * Lane k of the chains starts at k. */
-#define PKV_PK_REP(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define PKV_PK_DECL(j) PKV_PK_V c##j = PKV_PK_LOAD(buf + (j) * PKV_PK_W);
-#define PKV_PK_STEP(j) c##j = PKV_PK_FMA(c##j, va, vb);
-#define PKV_PK_SAVE(j) PKV_PK_STORE(buf + (j) * PKV_PK_W, c##j);
-#define PKV_PEAK_BODY                                                         \
-    PKV_PK_E buf[PKV_PEAK_CHAINS * PKV_PK_W];                                 \
-    for (int k = 0; k < PKV_PEAK_CHAINS * PKV_PK_W; k++) buf[k] = (PKV_PK_E)k; \
-    const PKV_PK_V va = PKV_PK_SET1((PKV_PK_E)a), vb = PKV_PK_SET1((PKV_PK_E)b); \
-    PKV_PK_REP(PKV_PK_DECL)                                                   \
-    for (int64_t i = 0; i < iters; i++) {                                     \
-        PKV_PK_REP(PKV_PK_STEP)                                               \
-    }                                                                         \
-    PKV_PK_REP(PKV_PK_SAVE)                                                   \
-    double s = 0.0;                                                           \
-    for (int k = 0; k < PKV_PEAK_CHAINS * PKV_PK_W; k++) s += (double)buf[k]; \
-    *sum = s;                                                                 \
-    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * PKV_PK_W : 0;
+/* One probe loop, written once: PKV_PEAK_DEFINE(name, V, E, W, SET1, LOAD,
+ * STORE, FMA) defines `name` over vector type V of W lanes of element type E
+ * with those operations (FMA(c, a, b) = c * a + b); the includer puts a
+ * target attribute in front where the path needs one.  The chains are spelled
+ * out (c0 .. c11), so they live in registers at every -O level that keeps
+ * locals in registers, and no inner loop is left to the unroller.  Lane k of
+ * the chains starts at k. */
+#define PKV_PEAK_DEFINE(name, V, E, W, SET1, LOAD, STORE, FMA)                        \
+    PKV_PEAK_FN uint64_t name(int64_t iters, double a, double b, double *sum) {        \
+        E buf[PKV_PEAK_CHAINS * (W)];                                                  \
+        for (int k = 0; k < PKV_PEAK_CHAINS * (W); k++) buf[k] = (E)k;                 \
+        const V va = SET1((E)a), vb = SET1((E)b);                                      \
+        V c0 = LOAD(buf + 0 * (W)), c1 = LOAD(buf + 1 * (W)), c2 = LOAD(buf + 2 * (W)),\
+          c3 = LOAD(buf + 3 * (W)), c4 = LOAD(buf + 4 * (W)), c5 = LOAD(buf + 5 * (W)),\
+          c6 = LOAD(buf + 6 * (W)), c7 = LOAD(buf + 7 * (W)), c8 = LOAD(buf + 8 * (W)),\
+          c9 = LOAD(buf + 9 * (W)), c10 = LOAD(buf + 10 * (W)), c11 = LOAD(buf + 11 * (W));\
+        for (int64_t i = 0; i < iters; i++) {                                         \
+            c0 = FMA(c0, va, vb); c1 = FMA(c1, va, vb); c2 = FMA(c2, va, vb); c3 = FMA(c3, va, vb);\
+            c4 = FMA(c4, va, vb); c5 = FMA(c5, va, vb); c6 = FMA(c6, va, vb); c7 = FMA(c7, va, vb);\
+            c8 = FMA(c8, va, vb); c9 = FMA(c9, va, vb); c10 = FMA(c10, va, vb); c11 = FMA(c11, va, vb);\
+        }                                                                             \
+        STORE(buf + 0 * (W), c0); STORE(buf + 1 * (W), c1); STORE(buf + 2 * (W), c2); STORE(buf + 3 * (W), c3);\
+        STORE(buf + 4 * (W), c4); STORE(buf + 5 * (W), c5); STORE(buf + 6 * (W), c6); STORE(buf + 7 * (W), c7);\
+        STORE(buf + 8 * (W), c8); STORE(buf + 9 * (W), c9); STORE(buf + 10 * (W), c10); STORE(buf + 11 * (W), c11);\
+        double s = 0.0;                                                                \
+        for (int k = 0; k < PKV_PEAK_CHAINS * (W); k++) s += (double)buf[k];           \
+        *sum = s;                                                                      \
+        return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * (W) : 0;                \
+    }
 
-/* ---- scalar (portable C) ------------------------------------------------ */
-#define PKV_PK_SET1(x) (x)
-#define PKV_PK_LOAD(p) (*(p))
-#define PKV_PK_STORE(p, v) (*(p) = (v))
-#define PKV_PK_FMA(c, a, b) ((c) * (a) + (b))
-#define PKV_PK_W 1
-
-#define PKV_PK_V float
-#define PKV_PK_E float
-PKV_PEAK_FN uint64_t pkv_peak_fma_f32_scalar(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-
-#define PKV_PK_V double
-#define PKV_PK_E double
-PKV_PEAK_FN uint64_t pkv_peak_fma_f64_scalar(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
-#undef PKV_PK_W
+/* scalar (portable C) */
+#define PKV_PK_ID(x) (x)
+#define PKV_PK_DEREF(p) (*(p))
+#define PKV_PK_ASSIGN(p, v) (*(p) = (v))
+#define PKV_PK_MULADD(c, a, b) ((c) * (a) + (b))
+PKV_PEAK_DEFINE(pkv_peak_fma_f32_scalar, float, float, 1, PKV_PK_ID, PKV_PK_DEREF, PKV_PK_ASSIGN,
+                PKV_PK_MULADD)
+PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DEREF, PKV_PK_ASSIGN,
+                PKV_PK_MULADD)
 
 #if PKV_X86
 #include <immintrin.h>
-
-/* ---- AVX2 + FMA: 8 / 4 lanes --------------------------------------------- */
-#define PKV_PK_V __m256
-#define PKV_PK_E float
-#define PKV_PK_W 8
-#define PKV_PK_SET1(x) _mm256_set1_ps(x)
-#define PKV_PK_LOAD(p) _mm256_loadu_ps(p)
-#define PKV_PK_STORE(p, v) _mm256_storeu_ps(p, v)
-#define PKV_PK_FMA(c, a, b) _mm256_fmadd_ps(c, a, b)
+/* AVX2 + FMA: 8 / 4 lanes; AVX-512: 16 / 8 lanes */
 __attribute__((target("avx2,fma")))
-PKV_PEAK_FN uint64_t pkv_peak_fma_f32_avx2(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
-
-#define PKV_PK_V __m256d
-#define PKV_PK_E double
-#define PKV_PK_W 4
-#define PKV_PK_SET1(x) _mm256_set1_pd(x)
-#define PKV_PK_LOAD(p) _mm256_loadu_pd(p)
-#define PKV_PK_STORE(p, v) _mm256_storeu_pd(p, v)
-#define PKV_PK_FMA(c, a, b) _mm256_fmadd_pd(c, a, b)
+PKV_PEAK_DEFINE(pkv_peak_fma_f32_avx2, __m256, float, 8, _mm256_set1_ps, _mm256_loadu_ps,
+                _mm256_storeu_ps, _mm256_fmadd_ps)
 __attribute__((target("avx2,fma")))
-PKV_PEAK_FN uint64_t pkv_peak_fma_f64_avx2(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
-
-/* ---- AVX-512: 16 / 8 lanes ----------------------------------------------- */
-#define PKV_PK_V __m512
-#define PKV_PK_E float
-#define PKV_PK_W 16
-#define PKV_PK_SET1(x) _mm512_set1_ps(x)
-#define PKV_PK_LOAD(p) _mm512_loadu_ps(p)
-#define PKV_PK_STORE(p, v) _mm512_storeu_ps(p, v)
-#define PKV_PK_FMA(c, a, b) _mm512_fmadd_ps(c, a, b)
+PKV_PEAK_DEFINE(pkv_peak_fma_f64_avx2, __m256d, double, 4, _mm256_set1_pd, _mm256_loadu_pd,
+                _mm256_storeu_pd, _mm256_fmadd_pd)
 __attribute__((target("avx512f")))
-PKV_PEAK_FN uint64_t pkv_peak_fma_f32_avx512(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
-
-#define PKV_PK_V __m512d
-#define PKV_PK_E double
-#define PKV_PK_W 8
-#define PKV_PK_SET1(x) _mm512_set1_pd(x)
-#define PKV_PK_LOAD(p) _mm512_loadu_pd(p)
-#define PKV_PK_STORE(p, v) _mm512_storeu_pd(p, v)
-#define PKV_PK_FMA(c, a, b) _mm512_fmadd_pd(c, a, b)
+PKV_PEAK_DEFINE(pkv_peak_fma_f32_avx512, __m512, float, 16, _mm512_set1_ps, _mm512_loadu_ps,
+                _mm512_storeu_ps, _mm512_fmadd_ps)
 __attribute__((target("avx512f")))
-PKV_PEAK_FN uint64_t pkv_peak_fma_f64_avx512(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
+PKV_PEAK_DEFINE(pkv_peak_fma_f64_avx512, __m512d, double, 8, _mm512_set1_pd, _mm512_loadu_pd,
+                _mm512_storeu_pd, _mm512_fmadd_pd)
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
 #include <arm_neon.h>
-
-/* ---- NEON (base AArch64, no target attribute): 4 / 2 lanes --------------
- * vfmaq(b, c, a) = b + c * a, one fused instruction. */
-#define PKV_PK_V float32x4_t
-#define PKV_PK_E float
-#define PKV_PK_W 4
-#define PKV_PK_SET1(x) vdupq_n_f32(x)
-#define PKV_PK_LOAD(p) vld1q_f32(p)
-#define PKV_PK_STORE(p, v) vst1q_f32(p, v)
-#define PKV_PK_FMA(c, a, b) vfmaq_f32(b, c, a)
-PKV_PEAK_FN uint64_t pkv_peak_fma_f32_neon(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
-
-#define PKV_PK_V float64x2_t
-#define PKV_PK_E double
-#define PKV_PK_W 2
-#define PKV_PK_SET1(x) vdupq_n_f64(x)
-#define PKV_PK_LOAD(p) vld1q_f64(p)
-#define PKV_PK_STORE(p, v) vst1q_f64(p, v)
-#define PKV_PK_FMA(c, a, b) vfmaq_f64(b, c, a)
-PKV_PEAK_FN uint64_t pkv_peak_fma_f64_neon(int64_t iters, double a, double b, double *sum) {
-    PKV_PEAK_BODY
-}
-#undef PKV_PK_V
-#undef PKV_PK_E
-#undef PKV_PK_W
-#undef PKV_PK_SET1
-#undef PKV_PK_LOAD
-#undef PKV_PK_STORE
-#undef PKV_PK_FMA
+/* NEON (base AArch64, no target attribute): 4 / 2 lanes; vfmaq(b, c, a) =
+ * b + c * a, one fused instruction */
+#define PKV_PK_FMA_F32X4(c, a, b) vfmaq_f32(b, c, a)
+#define PKV_PK_FMA_F64X2(c, a, b) vfmaq_f64(b, c, a)
+PKV_PEAK_DEFINE(pkv_peak_fma_f32_neon, float32x4_t, float, 4, vdupq_n_f32, vld1q_f32, vst1q_f32,
+                PKV_PK_FMA_F32X4)
+PKV_PEAK_DEFINE(pkv_peak_fma_f64_neon, float64x2_t, double, 2, vdupq_n_f64, vld1q_f64, vst1q_f64,
+                PKV_PK_FMA_F64X2)
+#undef PKV_PK_FMA_F32X4
+#undef PKV_PK_FMA_F64X2
 #endif /* PKV_ARM64 */
-
-#undef PKV_PEAK_BODY
-#undef PKV_PK_REP
-#undef PKV_PK_DECL
-#undef PKV_PK_STEP
-#undef PKV_PK_SAVE
+#undef PKV_PK_ID
+#undef PKV_PK_DEREF
+#undef PKV_PK_ASSIGN
+#undef PKV_PK_MULADD
 
 /* The probe loop of (kind, simd), or NULL when this build has none (unknown
  * kind, or a path of another architecture).  Whether the CPU runs the path
