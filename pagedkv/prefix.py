@@ -9,18 +9,27 @@ Every full block a sequence writes is identified by a hash chain::
 
     hash(block i) = hash((hash(block i-1), token ids of block i, salt))
 
-and entered in an index ``hash -> _Entry``.  ``add_sequence(token_ids=...)``
-walks the prompt's chain through the index and starts the new sequence with
-the longest run of blocks found (copy-on-write, as ``fork`` shares).  A hit
-is verified, never trusted to the hash: the entry's token ids and salt must
-equal the prompt's and its parent chain must name the same ids and salts
-as the entries matched before it (``_same_prefix``: the same entry, or one
-registered separately for the same prefix, e.g. before a roll-back
-recomputed the head), so a hash collision costs a miss, never another
-prompt's K/V.  An entry is valid while its block's generation is the one
-recorded when it was registered: the pool bumps the generation each time it
-hands the block out again, so stale entries are recognised (and dropped) on
-sight, and a block's new entry replaces its old one, so the index never
+and entered in an index ``hash -> [_Entry, ...]``: every registered copy of
+those contents, one entry per block.  Two sequences that compute the same
+prefix (both missed: nothing was cached yet), a prompt whose capped hit
+leaves its last full block to compute again, a loaded copy: each registers
+its own blocks, so the index keeps every computed copy and a prefix that some
+live sequence holds in full is always a hit, whichever copy goes first.
+``add_sequence(token_ids=...)`` walks the prompt's chain through the index
+and starts the new sequence with the longest run of blocks found
+(copy-on-write, as ``fork`` shares), taking a copy some sequence holds where
+there is one (a free cached copy is taken back only when no held one is
+left).  A hit is verified, never trusted to the hash: the entry's token ids
+and salt must equal the prompt's and its parent chain must name the same ids
+and salts as the entries matched before it (``_same_prefix``: the same entry,
+or another copy of the same prefix), so a hash collision costs a miss, never
+another prompt's K/V.  The copies under one key always hold the same contents:
+a block whose key is taken by other contents (a collision) is not registered,
+nor is anything after it in that sequence.  An entry is valid while its
+block's generation is the one recorded when it was registered: the pool bumps
+the generation each time it hands the block out again or its contents change
+in place (a truncate into it), so stale entries are recognised (and dropped)
+on sight, and a block's new entry replaces its old one, so the index never
 holds more entries than the pool has blocks.
 
 A block is registered once every layer has written it and its token ids are
@@ -53,8 +62,8 @@ class _Entry:
 
 def _same_prefix(a: Optional[_Entry], b: Optional[_Entry]) -> bool:
     """Whether two parent entries stand for the same token ids and salts all the
-    way back to the first block (usually the same object; a prefix registered
-    twice, its head again after a roll-back, gives two)."""
+    way back to the first block (often the same object; two copies of a prefix,
+    or a head registered again after a roll-back, give two)."""
     while a is not b:
         if a is None or b is None or a.tokens != b.tokens or a.salt != b.salt:
             return False
@@ -69,7 +78,7 @@ class _SeqState:
 
     def __init__(self, tokens: List[int], chain: List[_Entry], salt):
         self.tokens = tokens    # token ids of positions [0, len(tokens))
-        self.chain = chain      # entries of its first len(chain) blocks
+        self.chain = chain      # entries of its first len(chain) blocks (its own blocks')
         self.salt = salt
 
     def copy(self) -> "_SeqState":
@@ -95,8 +104,8 @@ class PrefixCache:
         self._core = core
         self._pool = core.pool
         self._bs = core.block_size
-        self._index: Dict[int, _Entry] = {}
-        self._by_block: Dict[int, _Entry] = {}  # the latest entry registered on each block
+        self._index: Dict[int, List[_Entry]] = {}  # key -> the copies registered under it
+        self._by_block: Dict[int, _Entry] = {}  # block -> the entry in the index on it
         self._seqs: Dict[int, _SeqState] = {}
         self.hit_blocks = 0
         self.miss_blocks = 0
@@ -110,6 +119,39 @@ class PrefixCache:
     def _valid(self, e: _Entry) -> bool:
         return self._pool.is_cached(e.block, e.gen)
 
+    def _entries(self):
+        """Every entry in the index (valid or not yet dropped)."""
+        for copies in self._index.values():
+            yield from copies
+
+    def _copies(self, key: int) -> List[_Entry]:
+        """The valid entries under `key`; the stale ones are dropped on sight."""
+        copies = self._index.get(key)
+        if not copies:
+            return []
+        valid, stale = [], []
+        for e in copies:
+            (valid if self._valid(e) else stale).append(e)
+        if stale:
+            for e in stale:
+                if self._by_block.get(e.block) is e:
+                    del self._by_block[e.block]
+            if valid:
+                self._index[key] = valid
+            else:
+                del self._index[key]
+        return valid
+
+    def _remove(self, e: _Entry) -> None:
+        """Take `e` out of the index."""
+        copies = self._index.get(e.key)
+        if copies is not None:
+            copies[:] = [c for c in copies if c is not e]
+            if not copies:
+                del self._index[e.key]
+        if self._by_block.get(e.block) is e:
+            del self._by_block[e.block]
+
     # ------------------------------------------------------------------
     # lookup
 
@@ -119,17 +161,17 @@ class PrefixCache:
         bs = self._bs
         found: List[_Entry] = []
         parent = None
+        ref_count = self._pool.ref_count
         for i in range(max(len(tokens) - 1, 0) // bs):
             t = tuple(tokens[i * bs:(i + 1) * bs])
-            key = self._hash(parent, t, salt)
-            e = self._index.get(key)
-            if e is None:
+            copies = self._copies(self._hash(parent, t, salt))
+            if not copies:
                 break
-            if not self._valid(e):
-                del self._index[key]
-                break
+            e = copies[0]  # the copies hold the same contents: one check covers them all
             if e.tokens != t or e.salt != salt or not _same_prefix(e.parent, parent):
                 break  # a hash collision: a miss, never another prompt's K/V
+            # a copy some sequence holds, else the latest registered (taken back from the queue)
+            e = next((c for c in copies if ref_count(c.block) > 0), copies[-1])
             found.append(e)
             parent = e
         return found
@@ -175,7 +217,8 @@ class PrefixCache:
 
     def register(self, sid: int) -> None:
         """Register the full blocks of `sid` that every layer has written and
-        whose token ids are known."""
+        whose token ids are known: each block is entered under its key, beside
+        any other copies of the same contents already there."""
         st = self._seqs.get(int(sid))
         if st is None:
             return
@@ -189,20 +232,38 @@ class PrefixCache:
             parent = st.chain[-1] if st.chain else None
             t = tuple(st.tokens[i * bs:(i + 1) * bs])
             key = self._hash(parent, t, st.salt)
-            e = self._index.get(key)
-            if e is not None and self._valid(e):
-                if e.tokens != t or e.salt != st.salt or not _same_prefix(e.parent, parent):
+            copies = self._copies(key)
+            if copies:
+                c = copies[0]
+                if c.tokens != t or c.salt != st.salt or not _same_prefix(c.parent, parent):
                     return  # the key is taken by other contents (a collision): stop here
-                st.chain.append(e)  # the same contents are cached already (maybe elsewhere)
-                continue
             block = int(table[i])
-            old = self._by_block.get(block)
-            if old is not None and self._index.get(old.key) is old:
-                del self._index[old.key]  # stale (the block was handed out again)
-            e = _Entry(key, block, self._pool.mark_cached(block), parent, t, st.salt)
-            self._index[key] = e
-            self._by_block[block] = e
+            e = next((c for c in copies if c.block == block), None)  # registered already
+            if e is None:  # another copy of these contents (or the first): register it too
+                old = self._by_block.get(block)
+                if old is not None:
+                    self._remove(old)  # stale (the block was handed out again)
+                e = _Entry(key, block, self._pool.mark_cached(block), parent, t, st.salt)
+                self._index.setdefault(key, []).append(e)
+                self._by_block[block] = e
             st.chain.append(e)
+
+    def rewrote(self, sid: int, n: int) -> None:
+        """A layer > 0 append wrote `sid`'s newest n positions.  Only a step written again
+        (every layer had it) can touch registered blocks, and where such a block was shared
+        the core copied it first: `sid` holds a new copy, not the chain's block, so the chain
+        is cut there (register() then enters the copy beside the original)."""
+        st = self._seqs.get(int(sid))
+        if st is None:
+            return
+        first = max(self._core.seq_len(sid) - n, 0) // self._bs
+        if len(st.chain) <= first:
+            return  # the usual case: a step's later layers touch no registered block
+        table = self._core.block_table(sid)
+        for i in range(first, len(st.chain)):
+            if st.chain[i].block != int(table[i]):
+                del st.chain[i:]
+                return
 
     def forked(self, parent: int, child: int) -> None:
         st = self._seqs.get(int(parent))
@@ -241,14 +302,14 @@ class PrefixCache:
 
     def prune(self) -> None:
         """Drop the entries whose blocks were handed out again."""
-        for key in [k for k, e in self._index.items() if not self._valid(e)]:
-            del self._index[key]
-        self._by_block = {e.block: e for e in self._index.values()}
+        for key in list(self._index):
+            self._copies(key)
+        self._by_block = {e.block: e for e in self._entries()}
 
     def remap(self, moved_to: np.ndarray) -> None:
         """After compaction: the entries follow their blocks.  Call prune()
         before compacting (an entry must be valid to be followed)."""
-        for e in self._index.values():
+        for e in self._entries():
             b = int(moved_to[e.block])
             if b != e.block:
                 e.block = b
@@ -260,8 +321,9 @@ class PrefixCache:
 
     @property
     def num_entries(self) -> int:
-        """Index entries (at most one per block: a block's new entry replaces its old one)."""
-        return len(self._index)
+        """Index entries, every copy counted (at most one per block: a block's new entry
+        replaces its old one)."""
+        return sum(len(copies) for copies in self._index.values())
 
     def counts(self):
         """(hit blocks, miss blocks, hit tokens, miss tokens)."""
@@ -295,6 +357,8 @@ def append_fn(prefix: PrefixCache, inner):
             result = inner(sid, k, v, layer)
             if layer == 0:
                 prefix.appended(sid, len(k), ids)
+            else:
+                prefix.rewrote(sid, len(k))
             prefix.register(sid)
         return result
 
@@ -320,6 +384,8 @@ def append_batch_fn(prefix: PrefixCache, inner):
             for i, sid in enumerate(sids):
                 if layer == 0:
                     prefix.appended(sid, 1, None if ids is None else ids[i:i + 1])
+                else:
+                    prefix.rewrote(sid, 1)
                 prefix.register(sid)
         return result
 

@@ -359,21 +359,57 @@ def check_pool_invariants(cache):
 
 
 def check_prefix_index(cache, prefix, counts, stats):
-    """The prefix index against the pool (call with the cache's lock held).
+    """The prefix index against the pool and the live sequences (call with the cache's lock held).
 
     A prefix index adds no references: a registered block whose last reference went stays on the
-    free queue, `cached`, until it is handed out again (counted above as free).  Here: the blocks
-    marked cached are exactly the blocks of the valid index entries, one entry per block; the
-    free ones among them are stats().cached_free_blocks; the index is keyed by each entry's own
-    hash and never holds more entries than the pool has blocks; the per-sequence state covers
-    exactly the live sequences (freeing and eviction release it)."""
-    pool = cache._core.pool
+    free queue, `cached`, until it is handed out again (counted above as free).  Here: the index
+    maps each key to a non-empty list of entries (the registered copies of one content), each
+    keyed by its own hash; every entry sits on a block of its own (``_by_block`` names exactly the
+    index's entries), so the index never holds more entries than the pool has blocks; the blocks
+    marked cached are exactly the blocks of the valid entries; the free ones among them are
+    stats().cached_free_blocks; the valid copies under one key hold the same token ids, salt and
+    parent chain (a collision is never registered beside them).  Per live sequence (and only
+    those: freeing and eviction release the state): its chain names its own blocks, each entry
+    valid and in the index, with the sequence's token ids and salt, each chained to the one
+    before it by content; and the chain covers every full block written on every layer whose
+    ids are known (a live copy is always registered, so always hit-able), unless a hash
+    collision stopped it (possible only where a test replaced ``_hash``)."""
+    from pagedkv.prefix import _same_prefix
+
+    core = cache._core
+    pool = core.pool
     n = cache.num_blocks
+    bs = cache.block_size
     cached = [b for b in range(n) if pool.is_cached(b, pool.generation(b))]
     assert stats.cached_free_blocks == sum(1 for b in cached if counts[b] == 0), (
         stats.cached_free_blocks, cached)
-    assert all(key == e.key for key, e in prefix._index.items())
-    valid = sorted(e.block for e in prefix._index.values() if prefix._valid(e))
+    entries = []
+    for key, copies in prefix._index.items():
+        assert isinstance(copies, list) and copies, (key, copies)
+        assert all(key == e.key for e in copies)
+        entries += copies
+        valid = [e for e in copies if prefix._valid(e)]
+        for e in valid[1:]:
+            c = valid[0]
+            assert (e.tokens, e.salt) == (c.tokens, c.salt) and _same_prefix(e.parent, c.parent), (
+                f"key {key}: copies with other contents {c.tokens} {e.tokens}")
+    assert prefix.num_entries == len(entries) <= n, (len(entries), n)
+    assert len({id(e) for e in entries}) == len(entries), "an entry listed twice"
+    assert len(prefix._by_block) == len(entries), (len(prefix._by_block), len(entries))
+    assert all(prefix._by_block.get(e.block) is e for e in entries), "_by_block out of step"
+    valid = sorted(e.block for e in entries if prefix._valid(e))
     assert valid == cached, f"valid index entries on blocks {valid}, cached blocks {cached}"
-    assert len(prefix._index) <= n, (len(prefix._index), n)
     assert sorted(prefix._seqs) == sorted(cache.sequence_ids())
+    forced = "_hash" in vars(prefix)  # a test forces hash collisions
+    for sid, st in prefix._seqs.items():
+        table = cache.block_table(sid).tolist()
+        assert len(st.chain) * bs <= cache.seq_len(sid), (sid, len(st.chain), cache.seq_len(sid))
+        for i, e in enumerate(st.chain):
+            assert e.block == table[i], f"sequence {sid} block {i}: entry on {e.block}, holds {table[i]}"
+            assert prefix._valid(e) and prefix._by_block.get(e.block) is e, (sid, i)
+            assert e.tokens == tuple(st.tokens[i * bs:(i + 1) * bs]), (sid, i)
+            assert e.salt is st.salt or e.salt == st.salt, (sid, i)
+            assert _same_prefix(e.parent, st.chain[i - 1] if i else None), (sid, i)
+        full = min(core.written_tokens(sid), len(st.tokens)) // bs
+        assert len(st.chain) == full or forced and len(st.chain) < full, (
+            f"sequence {sid}: {len(st.chain)} blocks registered of {full} full with known ids")

@@ -1,10 +1,12 @@
 """Prefix caching: hash-chained full blocks reused by add_sequence(token_ids=...)."""
 
+import itertools
+
 import numpy as np
 import pytest
 
 import pagedkv
-from reference import snapshot, assert_unchanged
+from reference import snapshot, assert_unchanged, check_pool_invariants
 
 HKV, D, HQ = 2, 8, 4
 
@@ -368,21 +370,275 @@ def test_block_shared_at_truncate_then_written_in_place_is_no_longer_a_hit():
         np.testing.assert_array_equal(cache.gather(h, layer)[0], kv_for(p, layer)[0][:2])
 
 
-@pytest.mark.xfail(strict=True, reason="a second computation of a cached prefix chains to the "
-                   "first's entries and is not registered itself: once the first copy's blocks "
-                   "are handed out again, the live second copy is not hit-able")
 def test_second_computation_of_a_prefix_stays_hit_able():
+    # regression: the index kept only the first copy of a prefix computed twice (both missed);
+    # once the first copy's blocks were handed out again, the live second copy was never found
     cache = make(num_blocks=6, block_size=2, layers=1)
     p = [1, 2, 3, 4, 5]
     w = cache.add_sequence(token_ids=p)
     s = cache.add_sequence(token_ids=p)      # both miss: nothing is cached yet
     prefill(cache, w, p)
     prefill(cache, s, p)                     # the same blocks computed again
+    check_pool_invariants(cache)
     cache.free(w)
     x = cache.add_sequence()
     cache.append(x, *kv_for(list(range(6)), 0), layer=0)  # takes w's blocks
     h = cache.add_sequence(token_ids=p)
     assert cache.seq_len(h) == 4             # s still holds both full blocks
+    assert cache.block_table(h).tolist() == cache.block_table(s)[:2].tolist()
+    np.testing.assert_array_equal(cache.gather(h, 0)[0], kv_for(p, 0)[0][:4])
+    check_pool_invariants(cache)
+
+
+# ---- several computations of one prefix ---------------------------------------------------------
+
+def flood(cache):
+    """A sequence without token ids takes every free block (the cached free ones too, so the
+    copies freed before are gone), then goes."""
+    n = cache.num_free_blocks * cache.block_size
+    x = cache.add_sequence()
+    if n:
+        for layer in range(cache.num_layers):
+            cache.append(x, *kv_for(list(range(n)), layer), layer=layer)
+    assert cache.num_free_blocks == 0 and cache.stats().cached_free_blocks == 0
+    cache.free(x)
+    check_pool_invariants(cache)
+
+
+def valid_entries(cache):
+    """Index entries still valid (stale ones are dropped when next looked at)."""
+    prefix = cache._prefix
+    return sum(1 for e in prefix._entries() if prefix._valid(e))
+
+
+def computed_copies(cache, p, n):
+    """n sequences that all missed p (nothing cached yet) and then computed it."""
+    sids = [cache.add_sequence(token_ids=p) for _ in range(n)]
+    assert all(cache.seq_len(s) == 0 for s in sids)
+    for s in sids:
+        prefill(cache, s, p)
+    check_pool_invariants(cache)
+    return sids
+
+
+def assert_hit(cache, p, tokens, holders):
+    """add_sequence(p) reuses `tokens` tokens, read from blocks some sequence of `holders` holds
+    at the same places, with p's K/V on every layer; the lookup's counters add up.  The probe
+    is freed again (its blocks stay with the holders)."""
+    bs = cache.block_size
+    st0 = cache.stats()
+    h = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(h) == tokens
+    table = cache.block_table(h).tolist()
+    for i, b in enumerate(table):
+        assert any(cache.block_table(s).tolist()[i:i + 1] == [b] for s in holders), (i, b)
+    for layer in range(cache.num_layers):
+        k, v = kv_for(p, layer)
+        got_k, got_v = cache.gather(h, layer)
+        np.testing.assert_array_equal(got_k, k[:tokens])
+        np.testing.assert_array_equal(got_v, v[:tokens])
+    st1 = cache.stats()
+    lookups = (len(p) - 1) // bs
+    assert st1.prefix_hit_blocks - st0.prefix_hit_blocks == tokens // bs
+    assert st1.prefix_miss_blocks - st0.prefix_miss_blocks == lookups - tokens // bs
+    assert st1.prefix_hit_tokens - st0.prefix_hit_tokens == tokens
+    assert st1.prefix_miss_tokens - st0.prefix_miss_tokens == len(p) - tokens
+    check_pool_invariants(cache)
+    cache.free(h)
+    check_pool_invariants(cache)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_three_computations_the_live_copy_is_hit_whichever_goes_first(order):
+    cache = make(num_blocks=12, block_size=2, layers=2)
+    p = [7, 1, 8, 2, 8, 1, 8]                # 3 full blocks and one token
+    sids = computed_copies(cache, p, 3)
+    assert valid_entries(cache) == 9         # every copy registered: 3 blocks each
+    live = list(sids)
+    for i in order:
+        assert_hit(cache, p, 6, live)
+        cache.free(sids[i])
+        live.remove(sids[i])
+        flood(cache)                         # the freed copy's blocks are handed out again
+        assert valid_entries(cache) == 3 * len(live)
+    assert_hit(cache, p, 0, [])              # no copy left
+
+
+def test_freed_copies_stay_hit_able_and_a_held_copy_is_preferred():
+    cache = make(num_blocks=16, block_size=2, layers=1)
+    p = [3, 1, 4, 1, 5]
+    a, b = computed_copies(cache, p, 2)
+    used = cache.stats().blocks_used
+    cache.free(a)                            # a's 3 blocks free, its 2 full ones still cached
+    assert cache.stats().cached_free_blocks == 2
+    assert_hit(cache, p, 4, [b])             # b's blocks, not a's taken back
+    assert cache.stats().blocks_used == used - 3 and cache.stats().cached_free_blocks == 2
+    cache.free(b)
+    assert cache.stats().cached_free_blocks == 4  # both copies, free and hit-able
+    h = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(h) == 4
+    assert cache.stats().cached_free_blocks == 2  # one copy taken back, the other still free
+    np.testing.assert_array_equal(cache.gather(h, 0)[0], kv_for(p, 0)[0][:4])
+    check_pool_invariants(cache)
+
+
+def test_counters_count_lookups_not_copies():
+    cache = make(num_blocks=16, block_size=2, layers=1)
+    p = [1, 1, 2, 2, 3]
+    computed_copies(cache, p, 2)
+    st = cache.stats()
+    # two lookups that found nothing: 2 blocks missed each; registering the copies counts nothing
+    assert (st.prefix_hit_blocks, st.prefix_miss_blocks) == (0, 4)
+    assert (st.prefix_hit_tokens, st.prefix_miss_tokens) == (0, 10)
+    assert cache._prefix.num_entries == 4
+    h = cache.add_sequence(token_ids=p)
+    st = cache.stats()
+    assert (st.prefix_hit_blocks, st.prefix_miss_blocks) == (2, 4)
+    assert (st.prefix_hit_tokens, st.prefix_miss_tokens) == (4, 11)
+    assert st.prefix_hit_rate == pytest.approx(2 / 6)
+    prefill(cache, h, p)                     # the last token: no full block, nothing registered
+    assert cache._prefix.num_entries == 4
+    check_pool_invariants(cache)
+
+
+def test_capped_hit_recomputes_the_last_block_and_that_copy_is_kept():
+    # a prompt of whole blocks hits all but its last block; the caller computes that block again
+    cache = make(num_blocks=8, block_size=2, layers=1)
+    p = [5, 6, 7, 8]                         # exactly 2 blocks
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)
+    b = cache.add_sequence(token_ids=p)
+    assert cache.seq_len(b) == 2             # capped
+    prefill(cache, b, p)                     # block 1 computed a second time
+    check_pool_invariants(cache)
+    cache.free(a)                            # block 0 stays (b shares it), a's block 1 goes free
+    flood(cache)
+    assert_hit(cache, p + [9], 4, [b])       # b's own block 1; before the fix 2
+
+
+def test_loaded_copy_is_kept_beside_the_original(tmp_path):
+    cache = make(num_blocks=12, block_size=2, layers=2)
+    p = [2, 7, 1, 8, 2]
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)
+    cache.save(a, tmp_path / "a.pkv")
+    c = cache.load(tmp_path / "a.pkv")       # a second copy of the same blocks, registered
+    check_pool_invariants(cache)
+    assert cache._prefix.num_entries == 4
+    cache.free(a)
+    flood(cache)
+    assert_hit(cache, p, 4, [c])
+
+
+def test_truncated_or_rewritten_copy_is_not_hit_the_other_is():
+    cache = make(num_blocks=16, block_size=2, layers=2)
+    p = [4, 4, 2, 2, 9]
+    a, b = computed_copies(cache, p, 2)
+    # a truncated into its block 0 and rewritten with other ids: a's copy is gone (its block 1
+    # went to the free queue, still p's: the flood hands it out), b's is hit
+    cache.truncate(a, 1)
+    new = [4, 6, 6, 6, 6]
+    prefill(cache, a, new)
+    check_pool_invariants(cache)
+    flood(cache)
+    assert_hit(cache, p, 4, [b])
+    assert_hit(cache, new, 4, [a])           # a's new contents under their own ids
+    # b truncated into its block 1 (no ids for the rewritten token): only block 0 is left of
+    # p, and it is b's (a's block 0 holds other ids now)
+    cache.truncate(b, 3)
+    z = np.full((1, HKV, D), -99.0, np.float32)
+    for layer in range(2):
+        cache.append(b, z, z, layer=layer)
+    check_pool_invariants(cache)
+    assert_hit(cache, p, 2, [b])
+
+
+def test_copy_shared_at_truncate_then_written_in_place_is_not_hit_the_other_is():
+    cache = make(num_blocks=16, block_size=2, layers=2)
+    p = [1, 2, 3, 4, 5]
+    a, b = computed_copies(cache, p, 2)
+    f = cache.fork(a)
+    cache.truncate(f, 3)                     # inside block 1, shared with a: stays registered
+    cache.free(a)                            # f holds a's block 1 alone now
+    z = np.full((1, HKV, D), -99.0, np.float32)
+    for layer in range(2):
+        cache.append(f, z, z, layer=layer)   # written in place: a's block 1 is not p's any more
+    assert (cache.gather(f, 1)[0][3] == -99.0).all()
+    check_pool_invariants(cache)
+    assert_hit(cache, p, 4, [b, f])          # block 0 from either copy, block 1 from b
+    h = cache.add_sequence(token_ids=p)
+    assert cache.block_table(h)[1] == cache.block_table(b)[1]
+    cache.free(h)
+    cache.free(b)
+    flood(cache)
+    assert_hit(cache, p, 2, [f])             # f still holds a's block 0
+
+
+def test_fork_keeps_a_copy_live_after_its_computer_goes():
+    cache = make(num_blocks=16, block_size=2, layers=2)
+    p = [8, 6, 7, 5, 3, 0, 9]
+    a, b = computed_copies(cache, p, 2)
+    c = cache.fork(a)                        # shares a's copy
+    cache.free(a)
+    cache.free(b)
+    flood(cache)                             # b's copy is gone; a's lives on in the fork
+    assert_hit(cache, p, 6, [c])
+    # the fork computes on: its new full blocks are registered after a's (by content)
+    more = p + [1, 2, 3]
+    prefill(cache, c, more)
+    check_pool_invariants(cache)
+    assert_hit(cache, more + [4], 10, [c])
+    # a fork of a hit, and the fork of the fork: still one copy of each block, still hit-able
+    h = cache.add_sequence(token_ids=more + [4])
+    g = cache.fork(h)
+    cache.free(c)
+    cache.free(h)
+    assert_hit(cache, more + [4], 10, [g])
+    # the last holder truncates into block 1 and rewrites it: blocks 1.. are gone, block 0 stays
+    cache.truncate(g, 3)
+    for layer in range(2):
+        k, v = kv_for([8, 6, 7, 0], layer)
+        cache.append(g, k[3:], v[3:], layer=layer, token_ids=[0] if layer == 0 else None)
+    check_pool_invariants(cache)
+    assert_hit(cache, p, 2, [g])
+    assert_hit(cache, [8, 6, 7, 0, 1], 4, [g])
+
+
+def test_step_written_again_after_a_fork_registers_the_copy():
+    # a later layer may write the newest step again; where its blocks are shared (a fork) the
+    # core copies them first: the sequence then holds a copy of registered blocks, entered too
+    cache = make(num_blocks=16, block_size=2, layers=2)
+    p = [1, 2, 3, 4]
+    a = cache.add_sequence(token_ids=p)
+    prefill(cache, a, p)                     # one step of 4 tokens: blocks 0 and 1
+    c = cache.fork(a)
+    k, v = kv_for(p, 1)
+    cache.append(a, k, v, layer=1)           # the step again on layer 1: a's blocks copied
+    assert not set(cache.block_table(a).tolist()) & set(cache.block_table(c).tolist())
+    check_pool_invariants(cache)
+    assert valid_entries(cache) == 4
+    cache.free(c)
+    flood(cache)
+    assert_hit(cache, p + [5], 4, [a])
+
+
+def test_copies_under_a_forced_hash_collision(monkeypatch):
+    # every key collides: a key's copies hold one content; another content under the same key
+    # is not registered (nor anything after it), and a hit is still verified
+    cache = make(num_blocks=16, block_size=2, layers=1)
+    monkeypatch.setattr(cache._prefix, "_hash", lambda parent, tokens, salt: 42)
+    p = [1, 2, 3, 4, 5]
+    a, b = computed_copies(cache, p, 2)      # block 0 twice; block 1 collides with block 0
+    assert cache._prefix.num_entries == 2
+    cache.free(a)
+    flood(cache)
+    assert_hit(cache, p, 2, [b])
+    q = [9, 9, 3, 4, 5]                      # collides with p's block 0: a miss, not registered
+    s = cache.add_sequence(token_ids=q)
+    assert cache.seq_len(s) == 0
+    prefill(cache, s, q)
+    check_pool_invariants(cache)
+    assert_hit(cache, q, 0, [])
 
 
 def test_loaded_sequence_keeps_its_cache_salt(tmp_path):

@@ -23,15 +23,18 @@ function of (ids up to and including it, layer), as a model's would be; a prefix
 must read back exactly that function of the prompt's prefix (the invariant compares every layer),
 so a hit on other ids, on a block rewritten in place or on a block not yet written on every layer
 fails.  The model also knows which (salt, ids) full blocks ever became registrable: a hit may
-only use those (a cross-salt hit fails), and a hit must reach at least every block that exactly
-one computation ever produced while a live sequence still holds it (a missed hit fails).
+only use those (a cross-salt hit fails), and a hit must reach at least the longest prefix of the
+prompt that some live sequence holds in full, registrable under the prompt's salt (a missed hit
+fails), however many sequences computed it and whichever of them let go of its copy first.
 
 After every step: every block's reference count equals the block-table entries naming it, the free
 queue holds exactly the unreferenced blocks, free + used == total, the prefix index's cached
 blocks and per-sequence state agree with the pool and the live sequences
 (reference.check_pool_invariants); gather and kept_positions equal the model exactly; attention
 results equal the NumPy reference (per-dtype tolerance); a call that raised left everything as it
-was (snapshot before and after).
+was (snapshot before and after), except that an append which automatic eviction could not make
+room for keeps the evictions it made first (documented: the room check counts blocks shared with
+the call's sequences, which can be optimistic).
 
 Profiles: the default `ci` runs a bounded number of programs; PAGEDKV_STATE_MACHINE=long runs deep
 ones with fresh random programs each run (set PAGEDKV_STATE_MACHINE_REPORT=path to append
@@ -141,13 +144,24 @@ class FullMachine(RuleBasedStateMachine):
         prios = [self.cache.priority(sid) for sid in live]
         return live, refs, snap, prefix, prios, self.cache.num_blocks
 
-    def assert_same(self, before):
+    def assert_same(self, before, gone=()):
+        """Everything as in `before`; or, with `gone` (sequences an automatic eviction took
+        before the call raised), every other sequence, its priority and the counters as before
+        (the block accounting is the invariant's to check)."""
         live, refs, snap, prefix, prios, nb = self.state()
-        assert live == before[0] and refs == before[1]
-        assert (prefix, prios, nb) == before[3:]
-        assert snap["num_free_blocks"] == before[2]["num_free_blocks"]
-        assert snap["stats"] == before[2]["stats"]
+        if gone:
+            assert self.cache.auto_evict
+            assert live == [s for s in before[0] if s not in gone]
+            assert prefix[:4] == before[3][:4] and nb == before[5]
+            assert prios == [p for s, p in zip(before[0], before[4]) if s not in gone]
+        else:
+            assert live == before[0] and refs == before[1]
+            assert (prefix, prios, nb) == before[3:]
+            assert snap["num_free_blocks"] == before[2]["num_free_blocks"]
+            assert snap["stats"] == before[2]["stats"]
         for sid, (n, kept, data) in before[2]["seqs"].items():
+            if sid in gone:
+                continue
             n2, kept2, data2 = snap["seqs"][sid]
             assert n2 == n
             np.testing.assert_array_equal(kept2, kept)
@@ -155,14 +169,21 @@ class FullMachine(RuleBasedStateMachine):
                 np.testing.assert_array_equal(k2, k)
                 np.testing.assert_array_equal(v2, v)
 
-    def attempt(self, call, allowed):
+    def attempt(self, call, allowed, evicting=False):
         """Run call(); when it raises one of `allowed`, check that nothing changed and return
-        the exception; otherwise return (result, None)."""
+        the exception; otherwise return (result, None).  `evicting` (append, append_batch):
+        an OutOfBlocksError may follow evictions automatic eviction made first (documented:
+        with shared blocks its room check can be optimistic); those sequences stay evicted
+        and are dropped from the model."""
         before = self.state()
         try:
             return call(), None
         except allowed as e:
-            self.assert_same(before)
+            gone = ()
+            if evicting and isinstance(e, pagedkv.OutOfBlocksError):
+                gone = set(before[0]) - set(self.cache.sequence_ids())
+            self.assert_same(before, gone)
+            self.drop(gone)
             return None, e
 
     def drop(self, sids):
@@ -247,7 +268,7 @@ class FullMachine(RuleBasedStateMachine):
         m = self.model[sid]
         ks, vs = self.step_kv(m, n, seed, ids)
         res, err = self.attempt(lambda: self.cache.append(sid, ks[0], vs[0], **kw),
-                                (pagedkv.OutOfBlocksError, ValueError))
+                                (pagedkv.OutOfBlocksError, ValueError), evicting=True)
         if err is not None:
             return False
         self.drop(res or ())                      # automatic eviction's victims
@@ -292,7 +313,7 @@ class FullMachine(RuleBasedStateMachine):
         ks = [np.concatenate([r[0][l] for r in rows]) for l in range(self.LAYERS)]
         vs = [np.concatenate([r[1][l] for r in rows]) for l in range(self.LAYERS)]
         res, err = self.attempt(lambda: self.cache.append_batch(batch, ks[0], vs[0], **kw),
-                                (pagedkv.OutOfBlocksError, ValueError))
+                                (pagedkv.OutOfBlocksError, ValueError), evicting=True)
         if err is not None:
             return
         self.drop(res or ())
@@ -362,8 +383,10 @@ class FullMachine(RuleBasedStateMachine):
         sid = self.pick(data, lambda m: m.pending is None)
         if sid is None:
             return
+        self.truncate_to(sid, data.draw(st.integers(-1, len(self.model[sid].pos) + 1)))
+
+    def truncate_to(self, sid, length):
         m = self.model[sid]
-        length = data.draw(st.integers(-1, len(m.pos) + 1))
         _, err = self.attempt(lambda: self.cache.truncate(sid, length), ValueError)
         if err is None:
             m.keep(range(length))
@@ -595,12 +618,13 @@ class PrefixMachine(FullMachine):
     NUM_BLOCKS, BS, HKV, G, D, LAYERS, MAX_SEQS = 16, 2, 1, 2, 4, 2, 6
     DTYPE = "float32"
     PREFIX = True
-    hits = bounded = 0
+    hits = bounded = recomputed = 0
 
     def __init__(self):
         super().__init__()
-        self.writers = Counter()     # (salt, ids of full blocks 0..i) -> computations of block i
-        self.ever = set()            # every such key that ever became registrable
+        self.ever = set()            # every (salt, ids of full blocks 0..i) that ever became
+        #                              registrable
+        self.writers = Counter()     # such a key -> how many computations (or loads) produced it
         self.kv_memo = {}
 
     def kv_of(self, ids, layer):
@@ -663,8 +687,8 @@ class PrefixMachine(FullMachine):
         full = min(done, len(m.ids)) // self.BS
         for i in range(m.elig, full):
             key = (m.salt, tuple(m.ids[:(i + 1) * self.BS]))
-            self.writers[key] += 1
             self.ever.add(key)
+            self.writers[key] += 1
         m.elig = max(m.elig, full)
 
     def loaded_copy(self, m):
@@ -681,14 +705,15 @@ class PrefixMachine(FullMachine):
         return m.salt is None
 
     def must_hit(self, prompt, salt):
-        """Blocks a hit must reach: each produced by exactly one computation that a live
-        sequence still holds (its entry cannot have been replaced or handed out)."""
+        """Blocks a hit must reach: the prompt's longest prefix of full blocks (up to the cap)
+        that some live sequence holds in full, registrable, under the same salt.  Every copy a
+        sequence computed (or loaded) is registered, so whichever copies were freed, handed out
+        again or truncated into, a live one is found."""
         bs, j = self.BS, 0
         while j < max(len(prompt) - 1, 0) // bs:
             ids = tuple(prompt[:(j + 1) * bs])
-            if self.writers[(salt, ids)] != 1 or not any(
-                    m.salt == salt and m.elig > j and tuple(m.ids[:(j + 1) * bs]) == ids
-                    for m in self.model.values()):
+            if not any(m.salt == salt and m.elig > j and tuple(m.ids[:(j + 1) * bs]) == ids
+                       for m in self.model.values()):
                 break
             j += 1
         return j
@@ -707,7 +732,7 @@ class PrefixMachine(FullMachine):
     @rule(data=st.data(), priority=st.sampled_from([0.0, 2.5]))
     def reuse_prefix(self, data, priority):
         """A prompt starting with a live sequence's registrable blocks, mostly under its salt:
-        the lower bound applies (or the blocks were computed more than once)."""
+        the lower bound applies."""
         src = self.model[self.pick(data, lambda m: m.elig)]
         bs = self.BS
         base = src.ids[:data.draw(st.integers(bs, max(bs, len(src.ids))))]
@@ -721,13 +746,20 @@ class PrefixMachine(FullMachine):
                                   max_size=4 * self.BS))
         self.add_with_prompt(data, 0.0, salt, base, prefill=True)
 
-    def add_with_prompt(self, data, priority, salt, base, prefill=None):
-        """add_sequence(token_ids=prompt) (base + up to 5 drawn ids), checked against the model;
-        then, when `prefill` (None: drawn), append the rest of the prompt."""
-        prompt = base + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=5))
+    def add_with_prompt(self, data, priority, salt, base, prefill=None, extra=True):
+        """add_sequence(token_ids=prompt) (base + up to 5 drawn ids when `extra`), checked
+        against the model; then, when `prefill` (None: drawn), append the rest of the prompt.
+        Returns the new sequence's id (None when max_seqs are live)."""
+        if extra:
+            prompt = base + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=5))
+        else:
+            prompt = list(base)
         bs, cap = self.BS, max(len(prompt) - 1, 0) // self.BS
         no_ids = not prompt and data.draw(st.booleans())  # a salt alone
         lower = self.must_hit(prompt, salt)
+        # the bound reaches a block computed more than once (the old index kept only one copy)
+        recomputed = any(self.writers[(salt, tuple(prompt[:(j + 1) * bs]))] > 1
+                         for j in range(lower))
         c = self.cache
         s0 = c.stats()
         sid, err = self.attempt(lambda: c.add_sequence(
@@ -735,7 +767,7 @@ class PrefixMachine(FullMachine):
             RuntimeError)
         if err is not None:
             assert len(self.model) == self.MAX_SEQS
-            return
+            return None
         L = c.seq_len(sid)
         assert L % bs == 0 and lower * bs <= L <= cap * bs, (L, lower, cap)
         for j in range(L // bs):
@@ -757,16 +789,68 @@ class PrefixMachine(FullMachine):
         self.model[sid] = m
         if prefill is None:
             prefill = data.draw(st.booleans())
-        if len(prompt) > L and prefill:
-            # the caller computes the rest of the prompt: ids from the prompt, or given again
-            given = prompt[L:] if data.draw(st.booleans()) else None
-            kw = {} if given is None else {"token_ids": given}
-            self.append_step(sid, len(prompt) - L, data.draw(SEEDS), kw, list(prompt),
-                             data.draw(st.integers(0, 3)) > 0)
+        if prefill:
+            self.compute_rest(data, sid, prompt)
         if L:
             _count(type(self), "hits")
         if lower:
             _count(type(self), "bounded")
+        if recomputed:
+            _count(type(self), "recomputed")
+        return sid
+
+    def compute_rest(self, data, sid, prompt):
+        """The caller computes the rest of sid's prompt: ids from the prompt, or given again."""
+        L = self.cache.seq_len(sid)
+        if len(prompt) > L:
+            given = prompt[L:] if data.draw(st.booleans()) else None
+            kw = {} if given is None else {"token_ids": given}
+            self.append_step(sid, len(prompt) - L, data.draw(SEEDS), kw, list(prompt),
+                             data.draw(st.integers(0, 3)) > 0)
+
+    @rule(data=st.data(), salt=st.sampled_from(SALTS))
+    def twin_prompts(self, data, salt):
+        """Two sequences start with the same prompt before either computes it (both miss what
+        is not cached yet), then both compute the rest: two copies of those blocks, both
+        registered, so a later prompt finds whichever copy is still live."""
+        src = self.pick(data, lambda m: m.ids) if data.draw(st.booleans()) else None
+        base = [] if src is None else self.model[src].ids[:data.draw(st.integers(0, 2 * self.BS))]
+        prompt = base + data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=self.BS,
+                                           max_size=3 * self.BS))
+        sids = [self.add_with_prompt(data, 0.0, salt, prompt, prefill=False, extra=False)
+                for _ in range(2)]
+        for sid in sids:
+            if sid is not None and sid in self.model and self.model[sid].pending is None:
+                self.compute_rest(data, sid, prompt)  # (automatic eviction may take the other)
+        # let go of one copy, then look the prompt up again: the other copy must be found
+        sids = [s for s in sids if s is not None and s in self.model]
+        manner = data.draw(st.sampled_from(["keep", "free", "free_reuse", "truncate"]))
+        if manner == "keep" or len(sids) < 2:
+            return
+        victim = sids[data.draw(st.integers(0, 1))]
+        if manner == "truncate":
+            if self.model[victim].pending is None:  # into (or before) its last full block
+                self.truncate_to(victim, data.draw(st.integers(0, max(0, len(prompt) - 2))))
+        else:
+            self.cache.free(victim)
+            self.drop([victim])
+            if manner == "free_reuse":
+                self.take_free_blocks(data)
+        self.add_with_prompt(data, 0.0, salt, prompt, extra=False)
+
+    def take_free_blocks(self, data):
+        """A sequence without ids fills every free block (so the pool hands out the cached
+        free ones too), then goes."""
+        c = self.cache
+        n = c.num_free_blocks * self.BS
+        sid, err = self.attempt(lambda: c.add_sequence(), RuntimeError)
+        if err is not None:
+            return
+        self.model[sid] = Held(self.LAYERS, self.HKV, self.D, self.DTYPE)
+        if n and self.append_step(sid, n, data.draw(SEEDS), {}, None, True):
+            assert c.num_free_blocks == 0
+        c.free(sid)
+        self.drop([sid])
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), sink=st.integers(0, 3), window=st.integers(1, 6))
@@ -778,7 +862,8 @@ class PrefixMachine(FullMachine):
 
     def report_extra(self):
         cls = type(self)
-        return f" hits={cls.__dict__.get('hits', 0)} lower_bounded={cls.__dict__.get('bounded', 0)}"
+        return (f" hits={cls.__dict__.get('hits', 0)} lower_bounded={cls.__dict__.get('bounded', 0)}"
+                f" recomputed={cls.__dict__.get('recomputed', 0)}")
 
 
 class PrefixInt8Machine(PrefixMachine):

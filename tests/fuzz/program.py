@@ -53,6 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pagedkv  # noqa: E402
+from pagedkv.prefix import _same_prefix  # noqa: E402
 from reference import check_pool_invariants  # noqa: E402
 
 ALLOWED = (KeyError, ValueError, TypeError, RuntimeError, MemoryError)
@@ -367,19 +368,20 @@ class Runner:
                                         pool.num_cached_free)}
         p = c._prefix
         if p is not None:
-            state["index"] = sorted((k, e.block, e.gen, e.tokens, repr(e.salt))
-                                    for k, e in p._index.items() if p._valid(e))
+            state["index"] = sorted((e.key, e.block, e.gen, e.tokens, repr(e.salt))
+                                    for e in p._entries() if p._valid(e))
             state["prefix_seqs"] = sorted((sid, list(st.tokens), [e.key for e in st.chain])
                                           for sid, st in p._seqs.items())
             state["counts"] = p.counts()
         return state
 
     def used_entries(self):
-        """Keys of the valid prefix-index entries whose block is in use."""
+        """The valid prefix-index entries whose block is in use (every copy: compaction moves
+        the entries themselves)."""
         p, core = self.cache._prefix, self.cache._core
         if p is None:
             return set()
-        return {k for k, e in p._index.items() if p._valid(e) and core.ref_count(e.block) > 0}
+        return {e for e in p._entries() if p._valid(e) and core.ref_count(e.block) > 0}
 
     def check_state(self):
         """Invariants beyond the block accounting (reference.check_pool_invariants)."""
@@ -401,20 +403,23 @@ class Runner:
         if p is None:
             return
         valid_on = {}
-        for key, e in p._index.items():
-            assert e.key == key
-            if p._valid(e):
-                assert 0 <= e.block < c.num_blocks and len(e.tokens) == self.bs
-                assert valid_on.setdefault(e.block, e) is e, f"block {e.block}: two valid entries"
-        assert len(p._index) <= c.num_blocks, (len(p._index), c.num_blocks)
+        for key, copies in p._index.items():
+            for e in copies:
+                assert e.key == key
+                if p._valid(e):
+                    assert 0 <= e.block < c.num_blocks and len(e.tokens) == self.bs
+                    assert valid_on.setdefault(e.block, e) is e, f"block {e.block}: two entries"
+        assert p.num_entries <= c.num_blocks, (p.num_entries, c.num_blocks)
         assert sorted(p._seqs) == sorted(c.sequence_ids()), (sorted(p._seqs), c.sequence_ids())
         bs = self.bs
         for sid, st in p._seqs.items():
             assert len(st.chain) * bs <= c.seq_len(sid), (sid, len(st.chain), c.seq_len(sid))
+            table = c.block_table(sid).tolist()
             for i, e in enumerate(st.chain):
                 assert e.tokens == tuple(st.tokens[i * bs:(i + 1) * bs]), (sid, i)
-                assert e.parent is (st.chain[i - 1] if i else None), (sid, i)
+                assert _same_prefix(e.parent, st.chain[i - 1] if i else None), (sid, i)
                 assert e.salt is st.salt or e.salt == st.salt, (sid, i)
+                assert e.block == table[i] and valid_on.get(e.block) is e, (sid, i)
         # a registered block's bytes never change while its entry is valid
         for sid in c.sequence_ids():
             table = c.block_table(sid).tolist()
