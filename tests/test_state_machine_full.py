@@ -700,8 +700,8 @@ class PrefixMachine(FullMachine):
         return c
 
     def saveable(self, m):
-        # a salted sequence loads without its salt (test_prefix.py's xfail
-        # test_loaded_sequence_keeps_its_cache_salt); not modelled here
+        # save/load keeps a JSON-representable salt (test_prefix.py), but this model does not
+        # follow salts through files: only unsalted sequences are saved here
         return m.salt is None
 
     def must_hit(self, prompt, salt):
