@@ -36,12 +36,9 @@ typedef struct {
  * (one softmax step per tile and head; the score micro-kernel gathers its
  * key vectors across the tile's blocks). */
 #define PKV_TILE_KEYS 64
+/* 0 turns the kernels' software prefetch off (for measurements) */
 #ifndef PKV_PREFETCH_UNITS
 #define PKV_PREFETCH_UNITS 1
-#endif
-/* the unit prefetched while one is read: this many units ahead (kvread.h) */
-#ifndef PKV_PF_UNITS_AHEAD
-#define PKV_PF_UNITS_AHEAD 1
 #endif
 #define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
 

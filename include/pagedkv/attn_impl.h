@@ -490,8 +490,8 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
         pkv_pfs_start(ps);                                                                 \
     } while (0)
     const int64_t nunits = (int64_t)ntiles * 2 * nh;
-    for (int64_t u0 = 0; u0 < PKV_PF_UNITS_AHEAD && u0 < nunits; u0++) { /* the first units, at once */
-        PKV_UNIT_SLICES(u0, &pfs);
+    if (PKV_PREFETCH_UNITS && nunits > 0) { /* the first unit, at once */
+        PKV_UNIT_SLICES(0, &pfs);
         pkv_pfs_finish(&pfs);
     }
     int sgi = 0;
@@ -540,10 +540,15 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
             for (int hh = 0; hh < nh; hh++) {
                 const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
                 pkv_pfs *ps = NULL;
-                if (PKV_PREFETCH_UNITS && unit + PKV_PF_UNITS_AHEAD < nunits) {
-                    PKV_UNIT_SLICES(unit + PKV_PF_UNITS_AHEAD, &pfs);
-                    /* the micro-kernels issue PKV_PF_LINES of its lines per inner step;
-                     * pkv_pfs_finish issues what is left when the unit ends */
+                /* software prefetch where the hardware prefetcher does not follow:
+                 * the next unit while a V unit is read (P.V walks each V slice in
+                 * passes of part of a row), and the jump to the next tile's blocks.
+                 * K units read K^T rows front to back, which the hardware streamer
+                 * follows (prefetching them too measured no faster out of DRAM and
+                 * 15-20% slower in cache; benchmarks/c/decode_ceiling.c). */
+                if (PKV_PREFETCH_UNITS && unit + 1 < nunits &&
+                    (ph == 1 || (unit + 1) % (2 * nh) == 0)) {
+                    PKV_UNIT_SLICES(unit + 1, &pfs);
                     ps = &pfs;
                 }
                 for (int u = 0; u < cnt; u++) {
