@@ -94,7 +94,17 @@ static inline T FN(sexp)(T x) {
     P = P * r + 5.0000001201E-1f;
     P = P * (r * r) + (r + 1.0f);
 #endif
-    return (T)ldexp((double)P, (int)k);
+    /* P * 2^k with 2^k built from its bits (k is in the normal range after the
+     * clamp): the same single rounding as ldexp, without a library call */
+#if PKV_F64
+    const uint64_t bits = (uint64_t)((int64_t)k + 1023) << 52;
+    double two_k;
+#else
+    const uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
+    float two_k;
+#endif
+    memcpy(&two_k, &bits, sizeof two_k);
+    return P * two_k;
 }
 
 /* p[j] = exp(s[j] - mx) for j < n, in place; returns the sum in double. */
@@ -167,9 +177,12 @@ static inline void FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int6
                 const T *src = (const T *)a->q +
                                ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
                 T *dst = qbuf + (((size_t)hh * nt + t) * ng + g) * d;
-                if (a->rope) FN(rope_one)(dst, src, a->rope, rank0 + t, d);
-                else memcpy(dst, src, sizeof(T) * d);
-                for (int j = 0; j < d; j++) dst[j] *= sc;
+                if (a->rope) {
+                    FN(rope_one)(dst, src, a->rope, rank0 + t, d);
+                    for (int j = 0; j < d; j++) dst[j] *= sc;
+                } else { /* one pass (a copy then a scale in place stalls on the copy's stores) */
+                    for (int j = 0; j < d; j++) dst[j] = src[j] * sc;
+                }
             }
     for (int t = 0; t < nt; t++)
         for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
