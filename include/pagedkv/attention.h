@@ -101,6 +101,18 @@ typedef struct {
     int64_t *plan_out;            /* NULL or 3 slots: threads used, heads per item, key chunks */
 } pkv_attn_args;
 
+/* The work split of one decode / prefill call (attn_impl.h), shared by its items. */
+typedef struct {
+    int gsz, ng_max, ngc, hpg, ngroups;
+    int64_t nchunk;
+    size_t slot_bytes;
+} pkv_decode_plan;
+
+typedef struct {
+    int gsz, ng_max, ngc, tq;
+    int64_t ntile, rank0;
+} pkv_prefill_plan;
+
 /* A sequence is split over several threads only if each key chunk gets at
  * least this many tokens. */
 #define PKV_SPLIT_MIN 256
@@ -490,9 +502,10 @@ static inline double pkv_read_sum(const void *p, size_t n, int dtype, int simd, 
     if (simd == PKV_SIMD_NEON) f = dtype ? (sum_fn)stream_sum_f64_neon : (sum_fn)stream_sum_f32_neon;
 #endif
     const size_t item = dtype ? 8 : 4;
+    if (nthreads <= 1) return f(p, n); /* no OpenMP region, as the kernels */
     double total = 0.0;
     int t;
-#pragma omp parallel for num_threads(nthreads) reduction(+ : total) schedule(static) if (nthreads > 1)
+#pragma omp parallel for num_threads(nthreads) reduction(+ : total) schedule(static)
     for (t = 0; t < nthreads; t++) {
         const size_t lo = n * (size_t)t / (size_t)nthreads, hi = n * (size_t)(t + 1) / (size_t)nthreads;
         total += f((const char *)p + lo * item, hi - lo);

@@ -595,6 +595,36 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
 #undef PKV_UNIT_SLICES
 }
 
+/* One decode work item `it` of the plan (see decode). */
+static inline void KFN(decode_item)(const pkv_attn_args *a, const pkv_decode_plan *pl, int64_t it) {
+    const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, hpg = pl->hpg;
+    const int ngroups = pl->ngroups, d = a->d;
+    const int64_t nchunk = pl->nchunk;
+    const size_t slot_bytes = pl->slot_bytes;
+    FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
+    const int64_t c = it % nchunk, rest = it / nchunk;
+    const int gc = (int)(rest % ngc);
+    const int grp = (int)((rest / ngc) % ngroups);
+    const int64_t b = rest / ((int64_t)ngc * ngroups);
+    const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
+    const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+    const pkv_segs sg = a->segs[b];
+    const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
+    FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
+    /* the query token is token b of q: load_queries/store_out index tokens from t0 = b */
+    KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, held * c / nchunk,
+                     held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    if (nchunk == 1) {
+        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
+    } else {
+        char *p = (char *)a->partial + (size_t)it * slot_bytes;
+        const int nq = nh * ng;
+        memcpy(p, sc.m, sizeof(double) * nq);
+        memcpy(p + sizeof(double) * PKV_MAX_ROWS, sc.l, sizeof(double) * nq);
+        memcpy(p + 2 * sizeof(double) * PKV_MAX_ROWS, sc.acc, sizeof(T) * (size_t)nq * d);
+    }
+}
+
 /* Batched decode: one query token per sequence, at its newest held rank.
  *
  * Work items are (sequence, head group, member chunk, key chunk).  A head
@@ -635,31 +665,13 @@ static void KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[1] = hpg;
         a->plan_out[2] = nchunk;
     }
+    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes};
     int64_t it;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
-    for (it = 0; it < items; it++) {
-        FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
-        const int64_t c = it % nchunk, rest = it / nchunk;
-        const int gc = (int)(rest % ngc);
-        const int grp = (int)((rest / ngc) % ngroups);
-        const int64_t b = rest / ((int64_t)ngc * ngroups);
-        const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
-        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
-        const pkv_segs sg = a->segs[b];
-        const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
-        FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
-        /* the query token is token b of q: load_queries/store_out index tokens from t0 = b */
-        KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, held * c / nchunk,
-                         held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
-        if (nchunk == 1) {
-            FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
-        } else {
-            char *p = (char *)a->partial + (size_t)it * slot_bytes;
-            const int nq = nh * ng;
-            memcpy(p, sc.m, sizeof(double) * nq);
-            memcpy(p + sizeof(double) * PKV_MAX_ROWS, sc.l, sizeof(double) * nq);
-            memcpy(p + 2 * sizeof(double) * PKV_MAX_ROWS, sc.acc, sizeof(T) * (size_t)nq * d);
-        }
+    if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (it = 0; it < items; it++) KFN(decode_item)(a, &pl, it);
+    } else { /* no OpenMP region: even with if(0) it costs ~0.4 us a call */
+        for (it = 0; it < items; it++) KFN(decode_item)(a, &pl, it);
     }
     if (nchunk == 1) return;
     /* merge the key chunks of each (sequence, head group, member chunk) */
@@ -696,6 +708,24 @@ static void KFN(decode)(const pkv_attn_args *a) {
     }
 }
 
+/* One prefill work item `it` of the plan (see prefill). */
+static inline void KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_plan *pl,
+                                     int64_t it) {
+    const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, tq = pl->tq;
+    FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
+    /* latest tiles (most keys) first, for balance */
+    const int64_t tile = pl->ntile - 1 - it / ((int64_t)a->hkv * ngc);
+    const int h = (int)((it / ngc) % a->hkv);
+    const int gc = (int)(it % ngc);
+    const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+    const int64_t t0 = tile * tq;
+    const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
+    FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
+    KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, 0, pl->rank0 + t0 + nt, sc.acc, sc.m,
+                     sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l);
+}
+
 /* Causal prefill of one sequence: a->nq query tokens are its newest held ranks.
  * Items are (kv head, member chunk, query tile); a tile of tq tokens x ng
  * members reads each key block once and skips the blocks past its last
@@ -718,21 +748,13 @@ static void KFN(prefill)(const pkv_attn_args *a) {
         a->plan_out[1] = 1;
         a->plan_out[2] = 1;
     }
+    const pkv_prefill_plan pl = {gsz, ng_max, ngc, tq, ntile, rank0};
     int64_t it;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
-    for (it = 0; it < items; it++) {
-        FN(scratch_t) sc = FN(scratch)(a, pkv_thread_id());
-        /* latest tiles (most keys) first, for balance */
-        const int64_t tile = ntile - 1 - it / ((int64_t)a->hkv * ngc);
-        const int h = (int)((it / ngc) % a->hkv);
-        const int gc = (int)(it % ngc);
-        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
-        const int64_t t0 = tile * tq;
-        const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
-        FN(load_queries)(a, h, 1, t0, nt, g0, ng, rank0 + t0, sc.qbuf, sc.lim);
-        KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, 0, rank0 + t0 + nt, sc.acc, sc.m,
-                         sc.l, sc.sbuf, sc.kbuf, sc.alpha);
-        FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l);
+    if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (it = 0; it < items; it++) KFN(prefill_item)(a, &pl, it);
+    } else { /* no OpenMP region (see decode) */
+        for (it = 0; it < items; it++) KFN(prefill_item)(a, &pl, it);
     }
 }
 

@@ -113,6 +113,29 @@ static inline int64_t pkv_pattern_runs(const pkv_segs *g, int bs) {
     return n + (hi - lo);
 }
 
+/* XOR of the K and V planes of runs [r0, r1) of the pattern (see below). */
+static inline uint64_t pkv_read_pattern_part(const char *k, const char *v, size_t plane_bytes,
+                                             size_t block_stride, int bs, int64_t nseq,
+                                             const int32_t *const *tables, const pkv_segs *segs,
+                                             pkv_xor_fn f, int64_t r0, int64_t r1) {
+    int64_t r = 0; /* global index of the first run of sequence s */
+    uint64_t x = 0;
+    for (int64_t s = 0; s < nseq && r < r1; s++) {
+        for (int half = 0; half < 2; half++) {
+            int64_t lo, hi;
+            if (half == 0) pkv_blocks_of(segs[s].a0, segs[s].a1, bs, &lo, &hi);
+            else pkv_blocks_of(segs[s].b0, segs[s].b1, bs, &lo, &hi);
+            for (int64_t bi = lo; bi < hi; bi++, r++) {
+                if (r < r0 || r >= r1) continue;
+                const size_t off = (size_t)tables[s][bi] * block_stride;
+                x ^= f(k + off, plane_bytes);
+                x ^= f(v + off, plane_bytes);
+            }
+        }
+    }
+    return x;
+}
+
 /* Read the pattern of a decode call over nseq sequences: K plane then V
  * plane of each touched block (k, v: the planes of one layer in block 0;
  * planes `plane_bytes` long, blocks `block_stride` apart), the list of
@@ -132,26 +155,13 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
     if (total < nthreads) nthreads = total > 0 ? (int)total : 1;
     uint64_t acc = 0;
     int t;
-#pragma omp parallel for num_threads(nthreads) reduction(^ : acc) schedule(static) if (nthreads > 1)
-    for (t = 0; t < nthreads; t++) {
-        const int64_t r0 = total * t / nthreads, r1 = total * (t + 1) / nthreads;
-        int64_t r = 0; /* global index of the first run of sequence s */
-        uint64_t x = 0;
-        for (int64_t s = 0; s < nseq && r < r1; s++) {
-            for (int half = 0; half < 2; half++) {
-                int64_t lo, hi;
-                if (half == 0) pkv_blocks_of(segs[s].a0, segs[s].a1, bs, &lo, &hi);
-                else pkv_blocks_of(segs[s].b0, segs[s].b1, bs, &lo, &hi);
-                for (int64_t bi = lo; bi < hi; bi++, r++) {
-                    if (r < r0 || r >= r1) continue;
-                    const size_t off = (size_t)tables[s][bi] * block_stride;
-                    x ^= f(k + off, plane_bytes);
-                    x ^= f(v + off, plane_bytes);
-                }
-            }
-        }
-        acc ^= x;
-    }
+    if (nthreads == 1) /* no OpenMP region, as the kernels (attn_impl.h) */
+        return pkv_read_pattern_part(k, v, plane_bytes, block_stride, bs, nseq, tables, segs, f,
+                                     0, total);
+#pragma omp parallel for num_threads(nthreads) reduction(^ : acc) schedule(static)
+    for (t = 0; t < nthreads; t++)
+        acc ^= pkv_read_pattern_part(k, v, plane_bytes, block_stride, bs, nseq, tables, segs, f,
+                                     total * t / nthreads, total * (t + 1) / nthreads);
     return acc;
 }
 
