@@ -426,10 +426,10 @@ static inline void KFN(tile_softmax)(T *restrict s, int ldc, const int *rows, in
  * head sees ranks <= lim[i].
  *
  * The item's blocks (each with the run of held slots it contributes) are
- * taken a tile of PKV_TILE_KEYS keys at a time; for each head of the item:
- * scores of its rows against the tile's keys (K of the tile's blocks), one
- * softmax step, P.V (V of the tile's blocks).  The prefetch cursor
- * (kvread.h) walks the same order. */
+ * taken a tile of PKV_TILE_KEYS keys at a time: for each head of the item,
+ * scores of its rows against the tile's keys (K of the tile's blocks) and
+ * one softmax step; then for each head P.V (V of the tile's blocks).  Each
+ * (phase, head) is a unit of the prefetch stream (kvread.h). */
 static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                              const T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
                              int64_t rend, T *restrict acc, double *m, double *l,
