@@ -177,7 +177,8 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
  *
  * Measured with benchmarks/c/decode_ceiling.c (this AMD EPYC, AVX-512, f32
  * B=8 L=2048, 1 thread, decode CPU time as % of the pattern read's, paired):
- * one unit ahead 62-66%, two 55-59%, three 55-58%; every line 62-73%, every
+ * one unit ahead 62-66%, two 55-59%, three 55-58%, a whole phase (the next
+ * tile's K while V is read, and so on) 58-63%; every line 62-73%, every
  * other line 48-50%, every fourth 52%; into L1 (prefetcht0) 62%, into L2
  * 55-57%; 4 lines per step 62-67%, 2 lines 66%, 8 lines 57%. */
 #define PKV_PF_STRIDE 64  /* every line */
