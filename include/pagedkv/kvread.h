@@ -184,7 +184,7 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
 #define PKV_PF_STRIDE 64  /* every line */
 #define PKV_PF_LOCALITY 3 /* into L1 */
 typedef struct {
-    const char *p[64]; /* the next unit's slices */
+    const char *p[64]; /* the next unit's slices (a tile has at most PKV_TILE_KEYS = 64 blocks) */
     int n, cur;        /* slices; the one being prefetched */
     size_t len;        /* bytes per slice */
     const char *at, *end; /* next line to prefetch in slice cur, and its end */
