@@ -39,6 +39,8 @@ typedef struct {
  * 65-75 vs 69-76 G FMA lanes/s) and out of DRAM (58-59% / 58-64% vs 64-65%
  * of the pattern read).  kvread.h's prefetch stream holds one tile's blocks. */
 #define PKV_TILE_KEYS 64
+_Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)),
+               "a tile's blocks must fit the prefetch stream (kvread.h)");
 /* 0 turns the kernels' software prefetch off (for measurements) */
 #ifndef PKV_PREFETCH_UNITS
 #define PKV_PREFETCH_UNITS 1
