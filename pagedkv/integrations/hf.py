@@ -63,10 +63,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.integrations.batching import STEP_KWARG, ContinuousBatcher, resolve_num_blocks
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
-__all__ = ["ATTENTION_NAME", "PagedCache", "PagedLayer", "paged_cache", "register"]
+__all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "paged_cache",
+           "register"]
 
 ATTENTION_NAME = "pagedkv"
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -79,8 +81,9 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional[str] = None,
-                streaming: Optional[StreamingLLM] = None, max_seqs: int = 256) -> "PagedCache":
+def paged_cache(model, num_blocks: Optional[int] = None, block_size: int = 16,
+                kv_dtype: Optional[str] = None, streaming: Optional[StreamingLLM] = None,
+                max_seqs: int = 256, kv_cache_bytes: Optional[int] = None) -> "PagedCache":
     """A ``transformers.Cache`` backed by a ``PagedKVCache``, for ``past_key_values=``.
 
     Also registers the "pagedkv" attention and switches ``model`` to it (the model then uses
@@ -93,6 +96,8 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
         kv_dtype: storage dtype of K/V (None: the model's dtype); passed to ``PagedKVCache``.
         streaming: None or ``pagedkv.StreamingLLM(sink_tokens, window_tokens)`` (see above).
         max_seqs: live sequences at most (one per batch row, beams included).
+        kv_cache_bytes: a memory budget for the pool instead of ``num_blocks`` (as many
+            blocks as fit; ``cache.paged.num_blocks`` tells how many).
 
     Returns:
         a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache``.
@@ -108,6 +113,8 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    num_blocks = _num_blocks_of(num_blocks, kv_cache_bytes, block_size, num_kv_heads,
+                                head_dim, num_layers, dtype, kv_dtype)
     kwargs = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, num_layers=num_layers, dtype=dtype, max_seqs=max_seqs)
     if kv_dtype is not None:
@@ -127,6 +134,14 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
     return PagedCache(paged, num_layers)
+
+
+def _num_blocks_of(num_blocks, kv_cache_bytes, block_size, num_kv_heads, head_dim, num_layers,
+                   dtype, kv_dtype) -> int:
+    """``num_blocks``, or as many blocks as ``kv_cache_bytes`` holds."""
+    geometry = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=num_layers,
+                    dtype=dtype)
+    return resolve_num_blocks(num_blocks, kv_cache_bytes, block_size, geometry, kv_dtype)
 
 
 class _Rows:
@@ -361,6 +376,9 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
     ``([B, Tq, Hq, D], None)``.  Without a ``PagedCache`` link on ``key``, transformers' sdpa
     attention runs instead.
     """
+    step = kwargs.pop(STEP_KWARG, None)
+    if step is not None:  # a ContinuousBatcher step (pagedkv/integrations/batching.py)
+        return step.attend(module, query, key, value, scaling, dict(kwargs, dropout=dropout)), None
     layer = getattr(key, _LINK, None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,

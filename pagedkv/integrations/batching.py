@@ -1,0 +1,646 @@
+"""Continuous batching on the pages: ``ContinuousBatcher``.
+
+    from pagedkv.integrations.hf import ContinuousBatcher
+    b = ContinuousBatcher(model, kv_cache_bytes=256 << 20)
+    rid = b.add_request(prompt_ids, max_new_tokens=64)
+    for ev in b.step():             # one model forward over the scheduled batch
+        print(ev.request_id, ev.new_tokens, ev.finished)
+    outputs = b.run()               # {request id: generated ids (eos included)}
+
+Requests join and leave a running batch between steps.  Each step is **one forward of the
+model over one packed row** (the layout transformers' own continuous batching uses): first one
+token of every decoding request, then chunks of prompts still being prefilled, no padding::
+
+    row:        [ d0  d1  d2 | p3 p3 p3 p3 p3 | p4 p4 p4 ]      (T tokens <= max_batch_tokens)
+    positions:  [ 57  12  90 |  0  1  2  3  4 | 16 17 18 ]      each request's own positions
+    logits:     [  x   x   x |              x |          ]      rows that end a request's input
+
+The model runs with ``position_ids`` for RoPE, a 4-D placeholder mask (so transformers builds
+no mask at all) and ``logits_to_keep`` = the rows that end a request's input.  The plan of the
+step travels to the ``"pagedkv"`` attention function as the keyword argument
+``pagedkv_step``; for every layer it writes the new K/V into each request's pages and runs
+each request over its own pages: ``append_batch`` + ``attend_batch`` for all decode tokens
+at once, ``append`` + causal ``attend`` for each prefill chunk.  Nothing is padded and no
+request sees another's keys.
+
+Scheduling (vLLM v1's policy, in blocks of the one pool):
+
+- Running requests first, in admission order: a decode token each, or the next chunk of a
+  prompt (chunked prefill) while ``max_batch_tokens`` lasts.  When the blocks a request needs
+  for this step are not free, the newest running request is preempted: its sequence is freed
+  and it goes back to the front of the queue; later it is recomputed from its prompt plus the
+  tokens it had generated (with prefix caching most of that is a cache hit).
+- Then waiting requests, oldest first, while the step's token budget, ``max_seqs`` and the free
+  blocks allow (none are admitted in a step that had to preempt).
+- A request that could never fit (more blocks than the pool or one sequence may hold) is
+  refused by ``add_request``.
+
+Greedy requests produce exactly the tokens of the prompt's own ``model.generate(...)``; sampled
+ones use their own ``torch.Generator`` (``seed=``), so their tokens do not depend on what else
+is in the batch.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("pagedkv.integrations.batching needs torch and transformers: "
+                      "pip install 'pagedkv[hf]'") from e
+
+from pagedkv._core import CacheCore
+from pagedkv.cache import PagedKVCache
+
+__all__ = ["BatcherStats", "ContinuousBatcher", "StepEvent", "num_blocks_for_bytes"]
+
+STEP_KWARG = "pagedkv_step"
+_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+# with neither num_blocks nor kv_cache_bytes: room for max_seqs sequences of this many
+# tokens, at most _DEFAULT_BYTES
+_DEFAULT_TOKENS_PER_SEQ = 2048
+_DEFAULT_BYTES = 1 << 30
+
+
+def num_blocks_for_bytes(kv_cache_bytes: int, block_size: int, num_kv_heads: int, head_dim: int,
+                         num_layers: int, dtype: str = "float32",
+                         kv_dtype: Optional[str] = None) -> int:
+    """How many blocks of this geometry fit in ``kv_cache_bytes`` (K and V of every layer,
+    scales included for int8); ValueError when not even one does."""
+    if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, (int, np.integer)):
+        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
+    probe = CacheCore(1, block_size, num_kv_heads, head_dim, num_layers, dtype, 1, None,
+                      None, None, kv_dtype=kv_dtype)
+    per_block = int(probe.bytes_per_block)
+    del probe
+    n = int(kv_cache_bytes) // per_block
+    if n < 1:
+        raise ValueError(f"kv_cache_bytes={int(kv_cache_bytes)} holds no block of "
+                         f"{per_block} bytes (block_size {block_size}, {num_layers} layers, "
+                         f"{num_kv_heads} KV heads of {head_dim}, {kv_dtype or dtype})")
+    return n
+
+
+def model_geometry(model) -> Dict[str, object]:
+    """Cache geometry of a transformers decoder: layers, KV heads, head dim, dtype."""
+    config = model.config.get_text_config(decoder=True)
+    if model.device.type != "cpu":
+        raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
+    dtype = _TORCH_DTYPES.get(model.dtype)
+    if dtype is None:
+        raise TypeError(f"pagedkv computes in float32 or float64; the model is {model.dtype} "
+                        "(use model.float(); a lower-precision K/V storage is kv_dtype=...)")
+    num_heads = int(config.num_attention_heads)
+    return dict(num_layers=int(config.num_hidden_layers),
+                num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+                head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // num_heads),
+                dtype=dtype)
+
+
+def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],
+                       block_size: int, geometry: Dict[str, object], kv_dtype: Optional[str],
+                       default_tokens: Optional[int] = None) -> int:
+    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both);
+    with neither, ``default_tokens`` worth of blocks capped at 1 GiB (or a TypeError)."""
+    if num_blocks is not None and kv_cache_bytes is not None:
+        raise TypeError("give num_blocks or kv_cache_bytes, not both")
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_bytes is None:
+        if default_tokens is None:
+            raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
+        cap = num_blocks_for_bytes(_DEFAULT_BYTES, block_size, kv_dtype=kv_dtype, **geometry)
+        return max(1, min(cap, -(-int(default_tokens) // int(block_size))))
+    return num_blocks_for_bytes(kv_cache_bytes, block_size, kv_dtype=kv_dtype, **geometry)
+
+
+def _unsupported_attention(model) -> Optional[str]:
+    """Why the batcher cannot run this model's attention yet (None when it can)."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None)
+    if types and any(t != "full_attention" for t in types):
+        return f"layer types {sorted(set(types))} (only full attention layers are supported)"
+    if getattr(config, "sliding_window", None) is not None and \
+            getattr(config, "use_sliding_window", True):
+        return f"sliding_window={config.sliding_window}"
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            return f"{name}={getattr(config, name)}"
+    for mod in model.modules():
+        if getattr(mod, "sinks", None) is not None and hasattr(mod, "layer_idx"):
+            return "learned attention sinks"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# what one step hands to the attention function
+
+
+class _StepPlan:
+    """One step's packed row, as the attention function needs it.
+
+    Rows ``[0, num_decode)`` are one token of each decoding sequence (``decode_sids``); then
+    ``chunks`` lists ``(sid, first row, n)`` of each prefill chunk.  ``decode_ids`` are the
+    decode tokens' ids (for prefix caching, else None).
+    """
+
+    __slots__ = ("cache", "decode_sids", "decode_ids", "chunks", "num_tokens")
+
+    def __init__(self, cache: PagedKVCache, decode_sids: np.ndarray,
+                 decode_ids: Optional[List[int]], chunks: List[Tuple[int, int, int]],
+                 num_tokens: int):
+        self.cache = cache
+        self.decode_sids = decode_sids
+        self.decode_ids = decode_ids
+        self.chunks = chunks
+        self.num_tokens = num_tokens
+
+    def attend(self, module, query, key, value, scaling, kwargs) -> "torch.Tensor":
+        """Write this layer's new K/V into the pages and attend; query [1, Hq, T, D] ->
+        [1, T, Hq, D]."""
+        for name in ("sliding_window", "softcap", "s_aux"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"ContinuousBatcher does not support {name}")
+        if kwargs.get("dropout"):
+            raise NotImplementedError("the pagedkv attention is for inference: dropout must "
+                                      "be 0 (call model.eval())")
+        _, hq, T, D = query.shape
+        if query.shape[0] != 1 or T != self.num_tokens or key.shape[2] != T:
+            raise ValueError(f"ContinuousBatcher planned one row of {self.num_tokens} tokens; "
+                             f"the attention got queries {tuple(query.shape)} and keys "
+                             f"{tuple(key.shape)}")
+        layer = module.layer_idx
+        cache = self.cache
+        q = query[0].transpose(0, 1).numpy()     # [T, Hq, D] (views)
+        k = key[0].transpose(0, 1).numpy()       # [T, Hkv, D]
+        v = value[0].transpose(0, 1).numpy()
+        out = torch.empty((1, T, hq, D), dtype=query.dtype)
+        o = out.numpy()[0]
+        B = len(self.decode_sids)
+        if B:
+            if layer == 0 and self.decode_ids is not None:
+                cache.append_batch(self.decode_sids, k[:B], v[:B], layer=0,
+                                   token_ids=self.decode_ids)
+            else:
+                cache.append_batch(self.decode_sids, k[:B], v[:B], layer=layer)
+            cache.attend_batch(self.decode_sids, q[:B], layer=layer, scale=scaling, out=o[:B])
+        for sid, start, n in self.chunks:
+            stop = start + n
+            cache.append(sid, k[start:stop], v[start:stop], layer=layer)
+            cache.attend(sid, q[start:stop], layer=layer, scale=scaling, out=o[start:stop])
+        return out
+
+
+# ---------------------------------------------------------------------------
+# requests, events, statistics
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step did for one request: the tokens it generated (one, or none for a
+    request that finished by abort) and whether the request is done."""
+
+    request_id: int
+    new_tokens: List[int]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """A snapshot of a ContinuousBatcher."""
+
+    running: int                  # requests holding a sequence in the cache
+    waiting: int                  # queued (new or preempted)
+    finished: int                 # completed requests (aborted ones not counted)
+    aborted: int
+    preemptions: int              # times a running request was preempted (recomputed later)
+    steps: int                    # model forwards
+    generated_tokens: int         # tokens sampled, all requests
+    computed_tokens: int          # tokens run through the model (prompts, recomputes, decodes)
+    prefix_hit_tokens: int        # prompt tokens whose K/V came from the prefix cache
+    step_seconds: float           # time spent in step()
+    tokens_per_s: float           # generated_tokens / step_seconds
+    num_blocks: int               # blocks in the pool (chosen from kv_cache_bytes, or given)
+    block_size: int
+    free_blocks: int
+    kv_cache_bytes: int           # num_blocks * bytes per block
+    max_batch_tokens: int
+    max_seqs: int
+
+
+class _Request:
+    __slots__ = ("rid", "tokens", "num_prompt", "max_new", "eos", "do_sample", "temperature",
+                 "top_k", "top_p", "generator", "sid", "computed", "state", "t_added",
+                 "t_first")
+
+    def __init__(self, rid, tokens, max_new, eos, do_sample, temperature, top_k, top_p, seed):
+        self.rid = rid
+        self.tokens: List[int] = tokens          # prompt + generated
+        self.num_prompt = len(tokens)
+        self.max_new = max_new
+        self.eos = eos
+        self.do_sample = do_sample
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.generator = None
+        if do_sample:
+            self.generator = torch.Generator()
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+        self.sid: Optional[int] = None
+        self.computed = 0                        # tokens whose K/V are in the cache
+        self.state = "waiting"                   # waiting | running | finished | aborted
+        self.t_added = time.perf_counter()
+        self.t_first: Optional[float] = None
+
+    @property
+    def generated(self) -> List[int]:
+        return self.tokens[self.num_prompt:]
+
+
+# ---------------------------------------------------------------------------
+
+
+class ContinuousBatcher:
+    """Serve many generation requests at once on one ``PagedKVCache`` (see the module
+    docstring for the packing and the scheduling).
+
+    Args:
+        model: a transformers decoder (float32 or float64 weights, on the CPU), e.g.
+            LlamaForCausalLM.  It is switched to the ``"pagedkv"`` attention (which falls back
+            to sdpa whenever it is called without pagedkv's cache or batcher).
+        num_blocks: blocks in the pool, or None to size it by ``kv_cache_bytes``.
+        block_size: tokens per block.
+        kv_dtype: K/V storage dtype (None: the model's; "bfloat16", "float16", "int8", ...).
+        prefix_caching: prompts sharing full blocks of tokens reuse their K/V.
+        max_batch_tokens: tokens in one step's packed row at most (decodes + prefill chunks).
+        max_seqs: requests running at once at most.
+        kv_cache_bytes: a memory budget for the pool instead of ``num_blocks``.  With neither,
+            room for ``max_seqs`` sequences of 2048 tokens, at most 1 GiB.
+    """
+
+    def __init__(self, model, num_blocks: Optional[int] = None, block_size: int = 16,
+                 kv_dtype: Optional[str] = None, prefix_caching: bool = False,
+                 max_batch_tokens: int = 512, max_seqs: int = 64,
+                 kv_cache_bytes: Optional[int] = None):
+        from pagedkv.integrations import hf  # noqa: PLC0415 - hf imports this module
+
+        for name, val in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs),
+                          ("block_size", block_size)):
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        why = _unsupported_attention(model)
+        if why is not None:
+            raise NotImplementedError(f"ContinuousBatcher cannot run {type(model).__name__} "
+                                      f"yet: {why}")
+        geometry = model_geometry(model)
+        config = model.config.get_text_config(decoder=True)
+        num_blocks = resolve_num_blocks(num_blocks, kv_cache_bytes, block_size, geometry,
+                                        kv_dtype, default_tokens=max_seqs * _DEFAULT_TOKENS_PER_SEQ)
+        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size,
+                                  kv_dtype=kv_dtype, max_seqs=max_seqs,
+                                  prefix_caching=prefix_caching, **geometry)
+        self.model = model
+        self.vocab_size = int(config.vocab_size)
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.max_seqs = int(max_seqs)
+        hf.register()
+        if model.config._attn_implementation != hf.ATTENTION_NAME:
+            model.set_attn_implementation(hf.ATTENTION_NAME)
+        # a 4-D mask is taken as prepared: transformers builds none (the plan is the mask)
+        self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+        self._requests: Dict[int, _Request] = {}
+        self._waiting: Deque[_Request] = collections.deque()
+        self._running: List[_Request] = []
+        self._next_id = 0
+        self._preemptions = 0
+        self._steps = 0
+        self._generated = 0
+        self._computed = 0
+        self._seconds = 0.0
+        self._finished = 0
+        self._aborted = 0
+
+    # ------------------------------------------------------------------
+    # requests
+
+    def add_request(self, input_ids, max_new_tokens: int, eos_token_id=None,
+                    do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: Optional[int] = None) -> int:
+        """Queue a request; returns its id.
+
+        Args:
+            input_ids: the prompt's token ids (a list, a 1-D array or tensor, or [1, n]).
+            max_new_tokens: tokens to generate at most (>= 1).
+            eos_token_id: None, an id or a list of ids that end the request (eos included
+                in its output).
+            do_sample: False for greedy; True samples with temperature / top_k (0: off) /
+                top_p (1.0: off) from the request's own generator, seeded by ``seed``.
+
+        Raises ValueError for an empty prompt, ``max_new_tokens < 1``, ids outside the
+        vocabulary, bad sampling parameters, or a request that can never fit in the pool;
+        nothing already queued or running is touched.
+        """
+        tokens = self._token_list(input_ids, "input_ids")
+        if not tokens:
+            raise ValueError("input_ids is empty: a request needs at least one prompt token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        max_new = int(max_new_tokens)
+        if eos_token_id is None:
+            eos = frozenset()
+        else:
+            ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) \
+                else [eos_token_id]
+            eos = frozenset(self._token_list(list(ids), "eos_token_id"))
+        do_sample = bool(do_sample)
+        if do_sample:
+            if not isinstance(temperature, (int, float, np.number)) or \
+                    not math.isfinite(float(temperature)) or float(temperature) <= 0:
+                raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+            if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+                raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+            if not isinstance(top_p, (int, float, np.number)) or not 0 < float(top_p) <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+            if seed is not None and (isinstance(seed, bool) or
+                                     not isinstance(seed, (int, np.integer))):
+                raise ValueError(f"seed must be None or an int, got {seed!r}")
+        # the K/V of the prompt and of every generated token but the last
+        need = -(-(len(tokens) + max_new - 1) // self.cache.block_size)
+        limit = min(self.cache.num_blocks, self.cache.max_blocks_per_seq)
+        if need > limit:
+            raise ValueError(f"the request needs up to {need} blocks ({len(tokens)} prompt + "
+                             f"{max_new} new tokens, block_size {self.cache.block_size}) but "
+                             f"the pool holds {limit}: it could never run")
+        rid = self._next_id
+        self._next_id += 1
+        req = _Request(rid, tokens, max_new, eos, do_sample, float(temperature), int(top_k),
+                       float(top_p), None if seed is None else int(seed))
+        self._requests[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def _token_list(self, ids, what: str) -> List[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise ValueError(f"{what} must hold integer token ids, got {ids.dtype}")
+            if ids.ndim == 2 and ids.shape[0] == 1:
+                ids = ids[0]
+            if ids.ndim != 1:
+                raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {tuple(ids.shape)}")
+            out = ids.tolist()
+        else:
+            arr = np.asarray(ids) if not isinstance(ids, (list, tuple)) else None
+            if arr is not None:
+                if arr.dtype.kind not in "iu":
+                    raise ValueError(f"{what} must hold integer token ids, got {arr.dtype}")
+                if arr.ndim == 2 and arr.shape[0] == 1:
+                    arr = arr[0]
+                if arr.ndim != 1:
+                    raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {arr.shape}")
+                out = arr.tolist()
+            else:
+                out = list(ids)
+                for t in out:
+                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                        raise ValueError(f"{what} must hold integer token ids, got "
+                                         f"{type(t).__name__} {t!r}")
+                out = [int(t) for t in out]
+        bad = [t for t in out if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} holds {bad[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return out
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is running or waiting."""
+        return bool(self._running or self._waiting)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now and return its blocks to the pool.  True if it was waiting or
+        running, False if it had already finished or been aborted; KeyError for an id this
+        batcher never gave out."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        if req.state == "running":
+            self._running.remove(req)
+            self._release(req)
+        elif req.state == "waiting":
+            self._waiting.remove(req)
+        else:
+            return False
+        req.state = "aborted"
+        self._aborted += 1
+        return True
+
+    def output(self, request_id: int) -> List[int]:
+        """The tokens a request has generated so far (eos included)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        return list(req.generated)
+
+    def run(self) -> Dict[int, List[int]]:
+        """Step until every request is done; returns {request id: generated ids} of every
+        finished request (aborted ones left out)."""
+        while self.has_unfinished():
+            self.step()
+        return {rid: list(r.generated) for rid, r in self._requests.items()
+                if r.state == "finished"}
+
+    # ------------------------------------------------------------------
+    # one step
+
+    def step(self) -> List[StepEvent]:
+        """Schedule, run one model forward over the packed batch, sample; returns one event
+        per request that got a token in this step."""
+        t0 = time.perf_counter()
+        decodes, chunks = self._schedule()
+        if not decodes and not chunks:
+            return []
+        ids: List[int] = []
+        pos: List[int] = []
+        logit_rows: List[int] = []
+        sampled: List[_Request] = []
+        for req in decodes:
+            ids.append(req.tokens[req.computed])
+            pos.append(req.computed)
+            if req.computed + 1 == len(req.tokens):
+                logit_rows.append(len(ids) - 1)
+                sampled.append(req)
+        plan_chunks = []
+        for req, n in chunks:
+            c = req.computed
+            plan_chunks.append((req.sid, len(ids), n))
+            ids.extend(req.tokens[c:c + n])
+            pos.extend(range(c, c + n))
+            if c + n == len(req.tokens):
+                logit_rows.append(len(ids) - 1)
+                sampled.append(req)
+        plan = _StepPlan(
+            self.cache, np.array([r.sid for r in decodes], dtype=np.int64),
+            [r.tokens[r.computed] for r in decodes] if self.cache.prefix_caching else None,
+            plan_chunks, len(ids))
+        try:
+            with torch.no_grad():
+                logits = self.model(
+                    input_ids=torch.tensor([ids], dtype=torch.long),
+                    position_ids=torch.tensor([pos], dtype=torch.long),
+                    attention_mask=self._mask, use_cache=False,
+                    logits_to_keep=torch.tensor(logit_rows, dtype=torch.long),
+                    **{STEP_KWARG: plan}).logits[0]
+        except BaseException:
+            # the layers may have stored part of the step: recompute every scheduled request
+            for req in list(decodes) + [r for r, _ in chunks]:
+                if req.state == "running":
+                    self._preempt(req, count=False)
+            raise
+        for req in decodes:
+            req.computed += 1
+        for req, n in chunks:
+            req.computed += n
+        self._computed += len(ids)
+        new_tokens = self._sample(logits, sampled)
+        now = time.perf_counter()
+        events = []
+        for req, tok in zip(sampled, new_tokens):
+            req.tokens.append(tok)
+            if req.t_first is None:
+                req.t_first = now
+            done = tok in req.eos or len(req.tokens) - req.num_prompt >= req.max_new
+            if done:
+                self._running.remove(req)
+                self._release(req)
+                req.state = "finished"
+                self._finished += 1
+            events.append(StepEvent(req.rid, [tok], done))
+        self._generated += len(sampled)
+        self._steps += 1
+        self._seconds += time.perf_counter() - t0
+        return events
+
+    def _blocks_needed(self, req: _Request, n: int) -> int:
+        bs = self.cache.block_size
+        return max(-(-(req.computed + n) // bs) - self.cache.num_seq_blocks(req.sid), 0)
+
+    def _schedule(self) -> Tuple[List[_Request], List[Tuple[_Request, int]]]:
+        cache = self.cache
+        budget = self.max_batch_tokens
+        planned = 0
+        decodes: List[_Request] = []
+        chunks: List[Tuple[_Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            n = min(len(req.tokens) - req.computed, budget)
+            need = self._blocks_needed(req, n)
+            while need > cache.num_free_blocks - planned:
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.state != "running":
+                break  # it preempted itself: it was the newest, nothing follows it
+            planned += need
+            budget -= n
+            (decodes.append(req) if n == 1 else chunks.append((req, n)))
+            i += 1
+        while (self._waiting and budget > 0 and not preempted
+               and len(self._running) < self.max_seqs):
+            req = self._waiting[0]
+            if cache.prefix_caching:
+                sid = cache.add_sequence(token_ids=req.tokens)
+            else:
+                sid = cache.add_sequence()
+            req.sid, req.computed = sid, cache.seq_len(sid)
+            n = min(len(req.tokens) - req.computed, budget)
+            need = self._blocks_needed(req, n)
+            if need > cache.num_free_blocks - planned:
+                cache.free(sid)
+                req.sid, req.computed = None, 0
+                break
+            self._waiting.popleft()
+            req.state = "running"
+            self._running.append(req)
+            planned += need
+            budget -= n
+            (decodes.append(req) if n == 1 else chunks.append((req, n)))
+        return decodes, chunks
+
+    def _release(self, req: _Request) -> None:
+        if req.sid is not None:
+            self.cache.free(req.sid)
+        req.sid = None
+        req.computed = 0
+
+    def _preempt(self, req: _Request, count: bool = True) -> None:
+        """Free the request's sequence and queue it first again (recomputed later)."""
+        self._running.remove(req)
+        self._release(req)
+        req.state = "waiting"
+        self._waiting.appendleft(req)
+        if count:
+            self._preemptions += 1
+
+    def _sample(self, logits: "torch.Tensor", reqs: Sequence[_Request]) -> List[int]:
+        """One token per request from its logits row (greedy: argmax, as generate())."""
+        if not reqs:
+            return []
+        logits = logits.float()
+        out = logits.argmax(dim=-1).tolist()
+        for i, req in enumerate(reqs):
+            if not req.do_sample:
+                continue
+            row = logits[i] / req.temperature
+            if 0 < req.top_k < row.shape[-1]:
+                kth = torch.topk(row, req.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            if req.top_p < 1.0:
+                sorted_logits, order = torch.sort(row, descending=False)
+                cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+                drop = cum <= 1 - req.top_p
+                drop[-1] = False  # keep at least the most likely token
+                row = row.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+            probs = row.softmax(dim=-1)
+            out[i] = int(torch.multinomial(probs, 1, generator=req.generator))
+        return out
+
+    # ------------------------------------------------------------------
+
+    def stats(self) -> BatcherStats:
+        """A snapshot: queue sizes, preemptions, throughput, the pool's size."""
+        cs = self.cache.stats()
+        return BatcherStats(
+            running=len(self._running), waiting=len(self._waiting), finished=self._finished,
+            aborted=self._aborted, preemptions=self._preemptions, steps=self._steps,
+            generated_tokens=self._generated, computed_tokens=self._computed,
+            prefix_hit_tokens=cs.prefix_hit_tokens, step_seconds=self._seconds,
+            tokens_per_s=self._generated / self._seconds if self._seconds > 0 else 0.0,
+            num_blocks=self.cache.num_blocks, block_size=self.cache.block_size,
+            free_blocks=self.cache.num_free_blocks, kv_cache_bytes=cs.bytes_total,
+            max_batch_tokens=self.max_batch_tokens, max_seqs=self.max_seqs)
+
+    def request_times(self, request_id: int) -> Tuple[float, Optional[float]]:
+        """(time added, time of the first generated token or None), ``time.perf_counter``
+        clock."""
+        req = self._requests[request_id]
+        return req.t_added, req.t_first
+
+    def __repr__(self) -> str:
+        return (f"ContinuousBatcher(running={len(self._running)}, waiting={len(self._waiting)}, "
+                f"blocks={self.cache.num_blocks - self.cache.num_free_blocks}/"
+                f"{self.cache.num_blocks}, max_batch_tokens={self.max_batch_tokens}, "
+                f"max_seqs={self.max_seqs})")
