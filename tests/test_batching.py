@@ -35,6 +35,20 @@ def _config(**kw):
     return LlamaConfig(**base)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second thread only adds barrier waits (seconds each on a loaded
+    machine).  Restored afterwards."""
+    import pagedkv
+
+    before = torch.get_num_threads(), pagedkv.get_num_threads()
+    torch.set_num_threads(1)
+    pagedkv.set_num_threads(1)
+    yield
+    torch.set_num_threads(before[0])
+    pagedkv.set_num_threads(before[1])
+
+
 @pytest.fixture(scope="module")
 def models():
     """(model for the batcher, reference model): the same random weights, two modules."""
