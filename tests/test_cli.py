@@ -198,3 +198,26 @@ def test_hf_suite_is_opt_in():
     from pagedkv.benchmarks.runner import parse_suites
 
     assert "hf" not in parse_suites("all") and parse_suites("decode,hf") == ["decode", "hf"]
+
+
+def test_bench_serve_suite(tmp_path, capsys):
+    data = _bench(tmp_path, "--suites", "serve", "--threads", "1")
+    recs = [r for r in data["records"] if r["suite"] == "serve"]
+    if not HAVE_HF:
+        assert recs == [{"suite": "serve", "available": False}]
+        return
+    assert [r["workload"] for r in recs] == ["batch", "trace"]
+    for r in recs:
+        assert all(r["tokens_match"].values()), r["tokens_match"]
+        assert _positive_finite(r["ratio_vs_generate_batch"])
+        assert _positive_finite(r["ratio_vs_one_by_one"])
+        for x in r["results"].values():
+            assert _positive_finite(x["tokens_per_s"]) and x["ttft_median_s"] >= 0
+    assert any(r["arrivals_s"][-1] > 0 for r in recs)
+    assert "TTFT median / p90" in capsys.readouterr().out
+
+
+def test_serve_suite_is_opt_in():
+    from pagedkv.benchmarks.runner import parse_suites
+
+    assert "serve" not in parse_suites("all") and parse_suites("serve") == ["serve"]

@@ -16,6 +16,7 @@ from pagedkv.benchmarks import decode as decode_suite
 from pagedkv.benchmarks import hf as hf_suite
 from pagedkv.benchmarks import prefill as prefill_suite
 from pagedkv.benchmarks import prefix as prefix_suite
+from pagedkv.benchmarks import serve as serve_suite
 from pagedkv.benchmarks.common import (
     PAGEDKV,
     Progress,
@@ -37,8 +38,9 @@ from pagedkv.benchmarks.common import (
 )
 
 SUITES = ("bandwidth", "decode", "prefill", "append", "streaming", "prefix")
-# run only when named (--suites hf): slow (long-context prefills) and needs the hf extra
-OPT_IN_SUITES = ("hf",)
+# run only when named (--suites hf,serve): slow (long-context prefills, serving traces) and
+# need the hf extra
+OPT_IN_SUITES = ("hf", "serve")
 STREAMING_MODULE = "pagedkv.benchmarks.streaming"
 
 
@@ -57,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suites", default=",".join(SUITES), metavar="LIST",
                    help=f"comma-separated subset of {','.join(SUITES + OPT_IN_SUITES)} "
                         f"(default and 'all': {','.join(SUITES)}; 'hf', transformers generate "
-                        "tokens/s, only when named)")
+                        "tokens/s, and 'serve', ContinuousBatcher vs transformers' batching, "
+                        "only when named)")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the torch baselines even if torch is installed")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
@@ -197,7 +200,7 @@ def run_suites(args: argparse.Namespace, out=None):
 
 _SUITE_MODULES = {"bandwidth": bandwidth_suite, "decode": decode_suite,
                   "prefill": prefill_suite, "append": append_suite, "prefix": prefix_suite,
-                  "hf": hf_suite}
+                  "hf": hf_suite, "serve": serve_suite}
 
 
 def _print(out, text: str) -> None:
