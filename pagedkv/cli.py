@@ -227,10 +227,11 @@ def demo_serve(requests: int = 16, new_tokens: int = 48, progress: bool = True) 
     print(f"    ContinuousBatcher     {n / dt:8.1f} tokens/s   ({st.steps} steps)")
     print(f"    generate() one by one {n / (t2 - t1):8.1f} tokens/s")
     print(f"    identical tokens: {'yes' if same else 'NO'}")
-    print(f"  preemptions {st.preemptions} (recomputed from the prefix cache); prefix hits "
-          f"{cs.prefix_hit_tokens} of {cs.prefix_hit_tokens + cs.prefix_miss_tokens} prompt "
-          f"tokens; peak {cs.peak_blocks_used} of {cs.blocks_total} blocks; all returned: "
-          f"{'yes' if b.cache.num_free_blocks == b.cache.num_blocks else 'NO'}")
+    print(f"  {st.preemptions} preemptions (recomputed, from the prefix cache where it had the "
+          f"blocks); {st.prefix_hit_tokens} tokens reused from the prefix cache, "
+          f"{st.computed_tokens} computed (prompts {sum(map(len, prompts))} + generated {n})")
+    print(f"  peak {cs.peak_blocks_used} of {cs.blocks_total} blocks in use; all returned at the "
+          f"end: {'yes' if b.cache.num_free_blocks == b.cache.num_blocks else 'NO'}")
     return 0 if same else 1
 
 

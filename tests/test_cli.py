@@ -221,3 +221,17 @@ def test_serve_suite_is_opt_in():
     from pagedkv.benchmarks.runner import parse_suites
 
     assert "serve" not in parse_suites("all") and parse_suites("serve") == ["serve"]
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="the hf extra (transformers, torch) is not installed")
+def test_demo_serve_runs(capsys):
+    assert main(["demo", "--serve", "--requests", "5", "--new-tokens", "6",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "identical tokens: yes" in out and "all returned at the end: yes" in out
+    reused = int(out.split(" tokens reused from the prefix cache")[0].split()[-1])
+    assert reused > 0      # the shared system prompt
+
+
+def test_demo_serve_rejects_bad_counts(capsys):
+    assert main(["demo", "--serve", "--requests", "0"]) == 2

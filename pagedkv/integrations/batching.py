@@ -223,7 +223,7 @@ class BatcherStats:
     steps: int                    # model forwards
     generated_tokens: int         # tokens sampled, all requests
     computed_tokens: int          # tokens run through the model (prompts, recomputes, decodes)
-    prefix_hit_tokens: int        # prompt tokens whose K/V came from the prefix cache
+    prefix_hit_tokens: int        # tokens whose K/V came from the prefix cache at admission
     step_seconds: float           # time spent in step()
     tokens_per_s: float           # generated_tokens / step_seconds
     num_blocks: int               # blocks in the pool (chosen from kv_cache_bytes, or given)
@@ -321,11 +321,15 @@ class ContinuousBatcher:
         self._requests: Dict[int, _Request] = {}
         self._waiting: Deque[_Request] = collections.deque()
         self._running: List[_Request] = []
+        # (request id, free blocks) of the last admission that did not fit: not retried
+        # until the free blocks change (a retry would repeat the prefix lookup for nothing)
+        self._blocked: Optional[Tuple[int, int]] = None
         self._next_id = 0
         self._preemptions = 0
         self._steps = 0
         self._generated = 0
         self._computed = 0
+        self._reused = 0
         self._seconds = 0.0
         self._finished = 0
         self._aborted = 0
@@ -561,6 +565,8 @@ class ContinuousBatcher:
         while (self._waiting and budget > 0 and not preempted
                and len(self._running) < self.max_seqs):
             req = self._waiting[0]
+            if self._blocked == (req.rid, cache.num_free_blocks - planned):
+                break  # it did not fit with exactly these blocks free: no new lookup
             if cache.prefix_caching:
                 sid = cache.add_sequence(token_ids=req.tokens)
             else:
@@ -571,7 +577,10 @@ class ContinuousBatcher:
             if need > cache.num_free_blocks - planned:
                 cache.free(sid)
                 req.sid, req.computed = None, 0
+                self._blocked = (req.rid, cache.num_free_blocks - planned)
                 break
+            self._blocked = None
+            self._reused += req.computed
             self._waiting.popleft()
             req.state = "running"
             self._running.append(req)
@@ -622,15 +631,15 @@ class ContinuousBatcher:
 
     def stats(self) -> BatcherStats:
         """A snapshot: queue sizes, preemptions, throughput, the pool's size."""
-        cs = self.cache.stats()
         return BatcherStats(
             running=len(self._running), waiting=len(self._waiting), finished=self._finished,
             aborted=self._aborted, preemptions=self._preemptions, steps=self._steps,
             generated_tokens=self._generated, computed_tokens=self._computed,
-            prefix_hit_tokens=cs.prefix_hit_tokens, step_seconds=self._seconds,
+            prefix_hit_tokens=self._reused, step_seconds=self._seconds,
             tokens_per_s=self._generated / self._seconds if self._seconds > 0 else 0.0,
             num_blocks=self.cache.num_blocks, block_size=self.cache.block_size,
-            free_blocks=self.cache.num_free_blocks, kv_cache_bytes=cs.bytes_total,
+            free_blocks=self.cache.num_free_blocks,
+            kv_cache_bytes=self.cache.num_blocks * self.cache.bytes_per_block,
             max_batch_tokens=self.max_batch_tokens, max_seqs=self.max_seqs)
 
     def request_times(self, request_id: int) -> Tuple[float, Optional[float]]:
