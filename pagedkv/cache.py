@@ -64,7 +64,7 @@ class PagedKVCache:
             (symmetric, one float32 scale per 32 values of a token's head
             vector).  Appends round to it (nearest, ties to even); attention
             converts on load, in the compute dtype; ``gather`` returns dtype
-            arrays.  See "Storage dtypes" in the README for the accuracy.
+            arrays.  See "Dtypes and storage formats" in the README for the accuracy.
         max_seqs: live sequences at most (metadata is preallocated).
         max_blocks_per_seq: blocks one sequence may hold (None: num_blocks).
         streaming: None or ``StreamingLLM(sink_tokens, window_tokens)``: trim
