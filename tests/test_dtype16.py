@@ -287,3 +287,35 @@ def test_every_simd_path(backend):
                           timeout=300, cwd=TESTS_DIR)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "DTYPE16-SIMD-OK" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_step_with_16_bit_arrays_allocates_nothing(rng, dtype):
+    """append_batch + attend_batch(out=) with raw16 arrays, repeated: no Python-level growth."""
+    import gc
+    import tracemalloc
+    batch, hkv, d, hq, bs = 3, 4, 64, 16, 16
+    c = pagedkv.PagedKVCache(num_blocks=batch * 30, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                             dtype=dtype, raw16=True)
+    sids = np.array([c.add_sequence() for _ in range(batch)], dtype=np.int64)
+    k = to16(rng.standard_normal((batch, hkv, d)), dtype, True)
+    q = to16(rng.standard_normal((batch, hq, d)), dtype, True)
+    out = np.empty((batch, hq, d), dtype=np.uint16)
+    tracemalloc.start()
+    try:
+        for _ in range(20):
+            c.append_batch(sids, k, k)
+            c.attend_batch(sids, q, out=out)
+        gc.collect()
+        gc.disable()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(300):
+            c.append_batch(sids, k, k)
+            c.attend_batch(sids, q, out=out)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        gc.enable()
+        tracemalloc.stop()
+    assert all(c.seq_len(int(s)) == 320 for s in sids)
+    assert after - before < 1024, after - before
+    assert np.isfinite(from16(out, dtype)).all()
