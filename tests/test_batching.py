@@ -343,3 +343,24 @@ def test_unsupported_attention_is_refused_by_name():
                         sliding_window=16, pad_token_id=0)
     with pytest.raises(NotImplementedError, match="sliding_window"):
         ContinuousBatcher(MistralForCausalLM(cfg).eval(), num_blocks=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_16bit_model_matches_paged_generate(dtype):
+    """A bfloat16 / float16 model (no model.float()): the tokens of generate() on a
+    paged_cache of the same model, prompt by prompt (the same kernels and roundings)."""
+    torch.manual_seed(99)
+    model = LlamaForCausalLM(_config()).eval().to(dtype)
+    prompts = _prompts(13, [11, 26, 3])
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            pc = paged_cache(model, num_blocks=16, block_size=BS)
+            o = model.generate(torch.tensor([p]), past_key_values=pc, max_new_tokens=8,
+                               do_sample=False)
+            want.append(o[0, len(p):].tolist())
+    b = ContinuousBatcher(model, num_blocks=32, block_size=BS, max_batch_tokens=12)
+    rids = [b.add_request(p, 8) for p in prompts]
+    out = b.run()
+    assert [out[r] for r in rids] == want
+    _all_blocks_back(b)

@@ -61,7 +61,9 @@ from pagedkv.cache import PagedKVCache
 __all__ = ["BatcherStats", "ContinuousBatcher", "StepEvent", "num_blocks_for_bytes"]
 
 STEP_KWARG = "pagedkv_step"
-_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+                 torch.float16: "float16"}
+_HALF = ("bfloat16", "float16")
 # with neither num_blocks nor kv_cache_bytes: room for max_seqs sequences of this many
 # tokens, at most _DEFAULT_BYTES
 _DEFAULT_TOKENS_PER_SEQ = 2048
@@ -76,7 +78,7 @@ def num_blocks_for_bytes(kv_cache_bytes: int, block_size: int, num_kv_heads: int
     if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, (int, np.integer)):
         raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
     probe = CacheCore(1, block_size, num_kv_heads, head_dim, num_layers, dtype, 1, None,
-                      None, None, kv_dtype=kv_dtype)
+                      None, None, kv_dtype=kv_dtype, raw16=dtype in _HALF)
     per_block = int(probe.bytes_per_block)
     del probe
     n = int(kv_cache_bytes) // per_block
@@ -94,8 +96,8 @@ def model_geometry(model) -> Dict[str, object]:
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
     dtype = _TORCH_DTYPES.get(model.dtype)
     if dtype is None:
-        raise TypeError(f"pagedkv computes in float32 or float64; the model is {model.dtype} "
-                        "(use model.float(); a lower-precision K/V storage is kv_dtype=...)")
+        raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
+                        f"is {model.dtype}")
     num_heads = int(config.num_attention_heads)
     return dict(num_layers=int(config.num_hidden_layers),
                 num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
@@ -142,6 +144,13 @@ def _unsupported_attention(model) -> Optional[str]:
 # what one step hands to the attention function
 
 
+def _numpy(t) -> np.ndarray:
+    """A NumPy view of a CPU tensor (no copy); 16-bit floats as their uint16 bits."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
 class _StepPlan:
     """One step's packed row, as the attention function needs it.
 
@@ -177,11 +186,11 @@ class _StepPlan:
                              f"{tuple(key.shape)}")
         layer = module.layer_idx
         cache = self.cache
-        q = query[0].transpose(0, 1).numpy()     # [T, Hq, D] (views)
-        k = key[0].transpose(0, 1).numpy()       # [T, Hkv, D]
-        v = value[0].transpose(0, 1).numpy()
+        q = _numpy(query[0].transpose(0, 1))     # [T, Hq, D] (views)
+        k = _numpy(key[0].transpose(0, 1))       # [T, Hkv, D]
+        v = _numpy(value[0].transpose(0, 1))
         out = torch.empty((1, T, hq, D), dtype=query.dtype)
-        o = out.numpy()[0]
+        o = _numpy(out)[0]
         B = len(self.decode_sids)
         if B:
             if layer == 0 and self.decode_ids is not None:
@@ -275,7 +284,7 @@ class ContinuousBatcher:
     docstring for the packing and the scheduling).
 
     Args:
-        model: a transformers decoder (float32 or float64 weights, on the CPU), e.g.
+        model: a transformers decoder (float32, float64, bfloat16 or float16, on the CPU), e.g.
             LlamaForCausalLM.  It is switched to the ``"pagedkv"`` attention (which falls back
             to sdpa whenever it is called without pagedkv's cache or batcher).
         num_blocks: blocks in the pool, or None to size it by ``kv_cache_bytes``.
@@ -308,7 +317,8 @@ class ContinuousBatcher:
                                         kv_dtype, default_tokens=max_seqs * _DEFAULT_TOKENS_PER_SEQ)
         self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size,
                                   kv_dtype=kv_dtype, max_seqs=max_seqs,
-                                  prefix_caching=prefix_caching, **geometry)
+                                  prefix_caching=prefix_caching,
+                                  raw16=geometry["dtype"] in _HALF, **geometry)
         self.model = model
         self.vocab_size = int(config.vocab_size)
         self.max_batch_tokens = int(max_batch_tokens)
