@@ -1,4 +1,5 @@
 """Integrations with model libraries (optional extras; ``import pagedkv`` needs none of them).
 
-- ``pagedkv.integrations.hf``: Hugging Face transformers (extra ``hf``).
+- ``pagedkv.integrations.hf``: Hugging Face transformers (extra ``hf``): ``paged_cache`` for
+  ``generate()``, ``ContinuousBatcher`` (``batching.py``) for serving many requests.
 """
