@@ -141,21 +141,29 @@ cdef void *_zalloc(size_t n, void **raw) except NULL:
     return p
 
 
-cdef dict _DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
-                     "float16": PKV_F16}
+cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
+                        "float16": PKV_F16, "int8": PKV_I8}
+_KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
+_KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
 _DTYPE_CHOICES = "'float32', 'float64', 'bfloat16' or 'float16'"
 
 
-def _dtype_code(dtype):
-    name = dtype if isinstance(dtype, str) else None
+def _code_of(value, str what, str choices, bint arrays):
+    """The pkv_dtype code of a dtype given by name or NumPy dtype; arrays: not int8."""
+    name = value if isinstance(value, str) else None
     if name is None:
         try:
-            name = np.dtype(dtype).name
+            name = np.dtype(value).name
         except TypeError:
-            raise TypeError(f"dtype must be {_DTYPE_CHOICES}, got {dtype!r}") from None
-    if name not in _DTYPES:
-        raise TypeError(f"dtype must be {_DTYPE_CHOICES}, got {name!r}")
-    return _DTYPES[name]
+            raise TypeError(f"{what} must be {choices}, got {value!r}") from None
+    if name not in _KV_DTYPES or (arrays and name == "int8"):
+        raise TypeError(f"{what} must be {choices}, got {name!r}")
+    return _KV_DTYPES[name]
+
+
+def _dtype_code(dtype):
+    """Code of the arrays' dtype (float32, float64, bfloat16, float16)."""
+    return _code_of(dtype, "dtype", _DTYPE_CHOICES, True)
 
 
 def _array_dtype(int code, bint raw16):
@@ -177,29 +185,15 @@ def _array_dtype(int code, bint raw16):
     return np.dtype(ml_dtypes.bfloat16)
 
 
-cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
-                        "float16": PKV_F16, "int8": PKV_I8}
-_KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
-_KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
-
-
-def _kv_dtype_code(kv_dtype, int compute):
-    """Storage code for kv_dtype (None: the compute dtype)."""
+def _kv_dtype_code(kv_dtype, int io):
+    """Storage code for kv_dtype (None: the arrays' dtype `io`)."""
     if kv_dtype is None:
-        return compute
-    name = kv_dtype if isinstance(kv_dtype, str) else None
-    if name is None:
-        try:
-            name = np.dtype(kv_dtype).name
-        except TypeError:
-            raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {kv_dtype!r}") from None
-    if name not in _KV_DTYPES:
-        raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {name!r}")
-    code = _KV_DTYPES[name]
-    if code == PKV_F64 and compute != PKV_F64:
+        return io
+    code = _code_of(kv_dtype, "kv_dtype", _KV_CHOICES, False)
+    if code == PKV_F64 and io != PKV_F64:
         raise ValueError("kv_dtype='float64' needs dtype='float64' (storage wider than the "
                          f"arrays in and out would only waste memory); got dtype="
-                         f"{_KV_NAMES[compute]!r}")
+                         f"{_KV_NAMES[io]!r}")
     return code
 
 

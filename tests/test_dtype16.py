@@ -15,8 +15,6 @@ in float32 over the stored K/V and round the output once (nearest, ties to even)
 is missing; ``raw16=True`` cases, uint16 bit patterns, always run).
 """
 
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -25,7 +23,7 @@ import pytest
 
 import pagedkv
 from reference import ref_attention, ref_int8, ref_round_float, snapshot, assert_unchanged
-from test_simd_paths import PKG_PARENT, SUPPORTED, TESTS_DIR
+from test_simd_paths import SUPPORTED, run_script
 
 try:
     import ml_dtypes
@@ -280,13 +278,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_every_simd_path(backend):
-    env = dict(os.environ, PAGEDKV_SIMD=backend, PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=TESTS_DIR)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "DTYPE16-SIMD-OK" in proc.stdout
+    run_script(SCRIPT, "DTYPE16-SIMD-OK", PAGEDKV_SIMD=backend)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
