@@ -230,7 +230,7 @@ def run(settings: Settings) -> List[dict]:
                       "transformers' continuous batching runs its own generation thread and "
                       "not for the batcher or generate() on the main thread.  On a busy machine "
                       "compare with OMP_WAIT_POLICY=passive (measured on 2 busy vCPUs: the "
-                      "batcher 2.5-8x faster with it, transformers' batching unchanged)")
+                      "batcher 2-8x faster with it, transformers' batching unchanged)")
     shape = TINY_SHAPE if settings.tiny else SHAPE
     cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, eos_token_id=None,
                       bos_token_id=None, **shape)
