@@ -364,3 +364,30 @@ def test_16bit_model_matches_paged_generate(dtype):
     out = b.run()
     assert [out[r] for r in rids] == want
     _all_blocks_back(b)
+
+
+def test_a_failing_forward_leaves_nothing_behind(models):
+    """A forward that raises half-way (after layer 0 stored its K/V) requeues the step's
+    requests and frees their blocks; the batcher then finishes with exact tokens."""
+    ours, ref = models
+    prompts = _prompts(14, [12, 30])
+    b = ContinuousBatcher(ours, num_blocks=32, block_size=BS, max_batch_tokens=16)
+    rids = [b.add_request(p, 6) for p in prompts]
+    b.step()
+    b.step()
+
+    def boom(module, args):
+        raise KeyboardInterrupt("interrupted mid-step")
+
+    hook = ours.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            b.step()
+    finally:
+        hook.remove()
+    st = b.stats()
+    assert st.running == 0 and st.waiting == 2
+    _all_blocks_back(b)
+    out = b.run()
+    for rid, p in zip(rids, prompts):
+        assert out[rid] == _reference(ref, p, 6)
