@@ -130,6 +130,11 @@ def test_events_and_requests_added_mid_run(models):
     assert got == want
     assert finished == set(want)
     assert b.step() == []
+    rid0 = next(iter(want))
+    assert b.abort(rid0) is False              # finished, not yet collected
+    assert b.output(rid0) == want[rid0]
+    assert b.run() == want                     # run() collects what the steps finished
+    assert b.run() == {}
     _all_blocks_back(b)
 
 
@@ -160,7 +165,7 @@ def test_memory_pressure_preempts_and_recomputes(models):
     while b.has_unfinished():
         b.step()
         peak = max(peak, b.cache.num_blocks - b.cache.num_free_blocks)
-    out = b.run()
+    out = b.run()                  # collects what the steps above finished
     st = b.stats()
     assert st.preemptions > 0
     assert peak <= 12
@@ -218,7 +223,10 @@ def test_abort_returns_every_block(models):
     assert set(out) == {rids[1], rids[2]}
     for rid in (rids[1], rids[2]):
         assert out[rid] == _reference(ref, prompts[rid], 10)
-    assert b.abort(rids[1]) is False           # finished already
+    with pytest.raises(KeyError):              # finished and collected by run(): forgotten
+        b.abort(rids[1])
+    assert b.abort(rids[0]) is False           # aborted before
+    assert b.run() == {}                       # nothing new finished
     st = b.stats()
     assert st.aborted == 2 and st.finished == 2
     _all_blocks_back(b)

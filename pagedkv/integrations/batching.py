@@ -443,7 +443,7 @@ class ContinuousBatcher:
     def abort(self, request_id: int) -> bool:
         """Stop a request now and return its blocks to the pool.  True if it was waiting or
         running, False if it had already finished or been aborted; KeyError for an id this
-        batcher never gave out."""
+        batcher never gave out or whose output ``run`` already returned."""
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r}")
@@ -467,11 +467,15 @@ class ContinuousBatcher:
 
     def run(self) -> Dict[int, List[int]]:
         """Step until every request is done; returns {request id: generated ids} of every
-        finished request (aborted ones left out)."""
+        finished request not returned by an earlier ``run`` (aborted ones left out).  The
+        batcher forgets the requests it returns (``output`` / ``abort`` of their ids then raise
+        KeyError), so a long-lived batcher keeps no finished request once collected."""
         while self.has_unfinished():
             self.step()
-        return {rid: list(r.generated) for rid, r in self._requests.items()
-                if r.state == "finished"}
+        done = {rid: r.generated for rid, r in self._requests.items() if r.state == "finished"}
+        for rid in done:
+            del self._requests[rid]
+        return done
 
     # ------------------------------------------------------------------
     # one step
