@@ -242,7 +242,7 @@ def run(settings: Settings) -> List[dict]:
     rounds = 1 if settings.tiny else max(1, min(settings.repeats, 2))
     cb_log = logging.getLogger("ContinuousBatchingLogger")
     level = cb_log.level
-    cb_log.setLevel(logging.ERROR)  # its CPU notes (no psutil, eos not set) on every call
+    cb_log.setLevel(logging.CRITICAL)  # its CPU notes (no psutil, eos not set) every call
     recs = []
     try:
         with ThreadScope(threads, torch), torch.no_grad():
