@@ -47,7 +47,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", {}, "sdpa"),
     "gemma": ("GemmaConfig", {}, "sdpa"),
     "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, layer_types=[SL, FU],
-                                    attn_logit_softcapping=3.0, final_logit_softcapping=30.0,
+                                    attn_logit_softcapping=0.05, final_logit_softcapping=30.0,
                                     query_pre_attn_scalar=16), "eager"),
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=WINDOW, num_hidden_layers=3,
                                         layer_types=[SL, SL, FU], query_pre_attn_scalar=16),
