@@ -23,7 +23,7 @@ from test_simd_paths import PKG_PARENT, SUPPORTED, TESTS_DIR
 from test_streaming import rope_rotate
 
 BLOCK_SIZES = (1, 2, 3, 5, 8, 16, 17, 32, 64)
-HEAD_DIMS = (3, 16, 33, 64, 80, 96, 128)
+HEAD_DIMS = (3, 16, 33, 64, 80, 96, 128, 256)
 KV_FOR = {"float32": (None, "bfloat16", "float16", "int8"),
           "float64": (None, "float32", "bfloat16", "float16", "int8")}
 
