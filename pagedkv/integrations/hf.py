@@ -71,7 +71,8 @@ __all__ = ["ATTENTION_NAME", "PagedCache", "PagedLayer", "layer_groups", "layer_
            "paged_cache", "register"]
 
 ATTENTION_NAME = "pagedkv"
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
 _LINK = "_pagedkv_layer"
 
 
@@ -131,7 +132,9 @@ def paged_cache(model, num_blocks, block_size: int = 16, kv_dtype: Optional[str]
     blocks per sequence however long the stream.  Most models have one group.
 
     Args:
-        model: a transformers decoder model (float32 or float64 weights), e.g. LlamaForCausalLM.
+        model: a transformers decoder model (float32, float64, bfloat16 or float16 weights),
+            e.g. LlamaForCausalLM.  16-bit models hand their tensors to the kernels as they
+            are (no copy): the kernels compute in float32 and round the output once.
         num_blocks: blocks in each group's pool (all of the group's layers and batch rows share
             it), or a dict {group name: blocks} (names: ``layer_groups(model)``).
         block_size: tokens per block.
@@ -152,8 +155,8 @@ def paged_cache(model, num_blocks, block_size: int = 16, kv_dtype: Optional[str]
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
     dtype = _DTYPES.get(model.dtype)
     if dtype is None:
-        raise TypeError(f"pagedkv computes in float32 or float64; the model is {model.dtype} "
-                        "(use model.float(); a lower-precision K/V storage is kv_dtype=...)")
+        raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
+                        f"is {model.dtype}")
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
                                   "has no cross-attention cache")
@@ -175,6 +178,8 @@ def paged_cache(model, num_blocks, block_size: int = 16, kv_dtype: Optional[str]
         blocks_of = {g: num_blocks for g in groups}
     base = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                 max_seqs=max_seqs)
+    if dtype in ("bfloat16", "float16"):
+        base["raw16"] = True  # torch's 16-bit tensors reach the kernels as uint16 views
     if kv_dtype is not None:
         if "kv_dtype" not in inspect.signature(PagedKVCache.__init__).parameters:
             raise TypeError(f"kv_dtype={kv_dtype!r} needs a PagedKVCache that accepts kv_dtype "
@@ -376,8 +381,8 @@ class PagedLayer(CacheLayerMixin):
         paged, rows = self.rows.paged, self.rows
         B, hq, T, D = query.shape
         dtype = _DTYPES.get(query.dtype)
-        if dtype is None or np.dtype(dtype) != paged.dtype or key.dtype != query.dtype:
-            raise TypeError(f"the cache computes in {paged.dtype}; the model gave queries "
+        if dtype is None or dtype != paged.dtype_name or key.dtype != query.dtype:
+            raise TypeError(f"the cache holds {paged.dtype_name} arrays; the model gave queries "
                             f"{query.dtype} and keys {key.dtype}")
         if key.shape[0] != B or key.shape[2] != T:
             raise ValueError(f"queries {tuple(query.shape)} and the pending keys "
@@ -389,7 +394,7 @@ class PagedLayer(CacheLayerMixin):
         k = _numpy(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
         v = _numpy(value).transpose(0, 2, 1, 3)
         out = torch.empty((B, T, hq, D), dtype=query.dtype)
-        o = out.numpy()
+        o = _numpy(out)
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
             self.seen += 1
@@ -431,8 +436,11 @@ class PagedLayer(CacheLayerMixin):
 
 
 def _numpy(t) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy; strides kept)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    """A NumPy view of a CPU tensor (no copy; strides kept); 16-bit floats as uint16 bits."""
+    t = t.detach() if t.requires_grad else t
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
