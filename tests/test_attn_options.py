@@ -227,3 +227,34 @@ def test_every_simd_path(backend):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600, cwd=TESTS_DIR)
     assert proc.returncode == 0 and "OPTIONS-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_options_with_16bit_arrays(dtype):
+    """16-bit arrays in and out: with every option, the output is bit for bit the float32
+    cache's output rounded once (the kernels compute in float32)."""
+    from test_dtype16 import _pair, from16, to16
+    from reference import ref_round_float
+
+    rng = np.random.default_rng(16)
+    for bs, d, hkv, group, length in ((16, 64, 2, 4, 300), (5, 80, 1, 3, 77), (64, 40, 3, 1, 130)):
+        hq = hkv * group
+        geom = dict(num_blocks=length // bs + 3, block_size=bs, num_kv_heads=hkv, head_dim=d)
+        c16, c32 = _pair(dtype, True, None, **geom)
+        k = ref_round_float(rng.standard_normal((length, hkv, d)), dtype)
+        v = ref_round_float(rng.standard_normal((length, hkv, d)), dtype)
+        s16, s32 = c16.add_sequence(), c32.add_sequence()
+        c16.append(s16, to16(k, dtype, True), to16(v, dtype, True))
+        c32.append(s32, k.astype(np.float32), v.astype(np.float32))
+        opts = dict(window=int(rng.integers(1, length)), softcap=7.0,
+                    sinks=rng.standard_normal(hq))
+        n = 9
+        q = ref_round_float(rng.standard_normal((n, hq, d)), dtype)
+        o16 = from16(c16.attend(s16, to16(q, dtype, True), **opts), dtype)
+        o32 = c32.attend(s32, q.astype(np.float32), **opts).astype(np.float64)
+        np.testing.assert_array_equal(o16, ref_round_float(o32, dtype))
+        ob16 = from16(c16.attend_batch([s16], to16(q[-1:], dtype, True), **opts), dtype)
+        ob32 = c32.attend_batch([s32], q[-1:].astype(np.float32), **opts).astype(np.float64)
+        np.testing.assert_array_equal(ob16, ref_round_float(ob32, dtype))
+        exp = ref_attention_options(q, k, v, math_scale(d), length - n, **opts)
+        np.testing.assert_allclose(o32, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
