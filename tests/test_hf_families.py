@@ -220,3 +220,14 @@ def test_unsupported_layer_types_are_refused_by_name():
     import pagedkv
     with pytest.raises(NotImplementedError, match="sliding"):
         paged_cache(ours, num_blocks=8, streaming=pagedkv.StreamingLLM(4, 60))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_switched_model_keeps_softcap_and_sinks_with_other_caches(name):
+    """A model switched to "pagedkv" and called with a DynamicCache runs its own eager
+    attention where sdpa lacks softcap / sinks: the same tokens as the reference."""
+    ours, ref = _models(name)
+    paged_cache(ours, num_blocks=16, block_size=4)  # switches the attention
+    ids, mask = _batch(5, [12, 7])
+    _same(_gen(ref, ids, mask, max_new_tokens=10), _gen(ours, ids, mask, max_new_tokens=10),
+          "DynamicCache on the switched model")

@@ -11,8 +11,13 @@ pagedkv`` never imports either.  Inference only (no autograd through the attenti
 How the pieces meet (transformers 5.x calls ``cache.update(k, v, layer_idx)`` and then the
 model's attention function, which is never handed the cache):
 
-- ``PagedCache`` is a ``transformers.Cache`` with one ``PagedLayer`` per decoder layer; all
-  layers share one ``PagedKVCache`` (one pool) and one sequence per batch row (``_Rows``).
+- ``PagedCache`` is a ``transformers.Cache`` with one ``PagedLayer`` per decoder layer.  Layers
+  form groups by attention type ("full_attention", "sliding_attention": ``layer_groups``);
+  each group has one ``PagedKVCache`` (its own pool and block tables) and one sequence per
+  batch row (``_Rows``).  A sliding group with window W trims every sequence to its last
+  W - 1 tokens before each step (``StreamingLLM(0, W - 1)``), so its memory stays bounded,
+  and passes ``window=W`` to the kernels (the query at rank i sees ranks (i - W, i], as
+  transformers' sliding mask; a longer prompt's early queries need it).
 - ``PagedLayer.update`` writes nothing: it keeps the new K/V pending and returns the new key
   tensor with the attribute ``_pagedkv_layer`` set to the layer.  That attribute is the link:
   the ``"pagedkv"`` attention function finds the layer on the key tensor it receives.
@@ -26,8 +31,12 @@ model's attention function, which is never handed the cache):
   (``AttentionMaskInterface``): without a registered mask function transformers passes
   ``attention_mask=None`` and left-padded batches would attend to their padding.  ``None``
   still comes for plain causal batches and means "every new token is real".
+- The attention module's ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's
+  learned sinks) become the kernels' ``window`` / ``softcap`` / ``sinks`` options; a window
+  other than the one the layer's group was built for raises.
 - A key tensor without the link (the model was called without a ``PagedCache``, e.g. a
-  ``DynamicCache`` or ``use_cache=False``) is handled by transformers' sdpa attention, so a
+  ``DynamicCache`` or ``use_cache=False``) is handled by transformers' sdpa attention (the
+  module's eager attention where it needs softcap or sinks, which sdpa lacks), so a
   model switched to "pagedkv" keeps working with any cache.
 - Beam search, ``num_return_sequences``, contrastive search and assisted decoding reorder,
   repeat, select or crop batch rows: ``reorder_cache`` / ``batch_repeat_interleave`` /
@@ -484,6 +493,10 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
             if eager is None:
                 raise NotImplementedError(f"{type(module).__name__} uses softcap / s_aux and "
                                           "has no eager_attention_forward to fall back on")
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+                # the "pagedkv" mask is sdpa's boolean one; eager adds a float mask
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min)
             return eager(module, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
