@@ -83,6 +83,9 @@ cdef extern from "pagedkv/attention.h" nogil:
         int64_t partial_slots
         int nthreads
         int64_t *plan_out
+        int64_t window
+        double softcap
+        const double *sinks
     ctypedef void (*pkv_attn_fn)(const pkv_attn_args *a)
     ctypedef struct pkv_kernels:
         pkv_attn_fn decode

@@ -1115,6 +1115,21 @@ cdef class CacheCore:
         a.partial = self.partial
         a.partial_slots = 2 * self.scratch_threads
         a.plan_out = self.plan
+        a.window = 0
+        a.softcap = 0.0
+        a.sinks = NULL
+        return 0
+
+    cdef int _set_options(self, pkv_attn_args *a, object opts) except -1:
+        """window / softcap / sinks from _options() (checked there)."""
+        cdef cnp.ndarray sinks
+        if opts is None:
+            return 0
+        window, softcap, sinks = opts
+        a.window = window
+        a.softcap = softcap
+        if sinks is not None:
+            a.sinks = <const double *>cnp.PyArray_DATA(sinks)
         return 0
 
     cdef double _scale(self, object scale) except? -1:
@@ -1131,26 +1146,65 @@ cdef class CacheCore:
             raise ValueError(f"scale must be finite, got {scale}")
         return s
 
-    def attend(self, sid, q, layer=0, scale=None, out=None):
+    cdef object _options(self, object window, object softcap, object sinks, int hq):
+        """(window, softcap, sinks as float64 [hq]) checked, or None when all are off."""
+        if window is None and softcap is None and sinks is None:
+            return None
+        cdef int64_t w = 0
+        cdef double c = 0.0
+        if window is not None:
+            if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+                raise TypeError(f"window must be None or an int >= 1, got "
+                                f"{type(window).__name__}")
+            if not 1 <= window < 2**62:
+                raise ValueError(f"window must be None or an int >= 1, got {window}")
+            w = window
+        if softcap is not None:
+            if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+                    softcap, (int, float, np.integer, np.floating)):
+                raise TypeError(f"softcap must be None or a number > 0, got "
+                                f"{type(softcap).__name__}")
+            c = float(softcap)
+            if not (c > 0 and c < float("inf")):
+                raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+        if sinks is not None:
+            if not isinstance(sinks, np.ndarray):
+                raise TypeError(f"sinks must be None or a float32/float64 NumPy array of shape "
+                                f"[{hq}] (one logit per query head), got {type(sinks).__name__}")
+            if sinks.dtype not in (np.float32, np.float64):
+                raise TypeError(f"sinks must be float32 or float64, got {sinks.dtype}")
+            if sinks.shape != (hq,):
+                raise ValueError(f"sinks must have shape ({hq},) (one logit per query head), "
+                                 f"got {sinks.shape}")
+            sinks = np.ascontiguousarray(sinks, dtype=np.float64)
+            if not np.isfinite(sinks).all():
+                raise ValueError("sinks must be finite")
+        return (w, c, sinks)
+
+    def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
+               sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
         self._enter()
         try:
-            return self._attend(sid, q, layer, scale, out)
+            return self._attend(sid, q, layer, scale, out, window, softcap, sinks)
         finally:
             self._exit()
 
-    cdef object _attend(self, object sid, object q, object layer, object scale, object out):
+    cdef object _attend(self, object sid, object q, object layer, object scale, object out,
+                        object window, object softcap, object sinks):
         cdef Seq *s = self.seqs.lookup(sid)
         cdef int l = self._check_layer(layer)
         cdef int hq
         q = self._query(q, -1, "n", &hq, False)  # converted once n is known to be attendable
         cdef int64_t n = cnp.PyArray_DIMS(q)[0]
         cdef double sc = self._scale(scale)
+        opts = self._options(window, softcap, sinks, hq)
         self._check_attendable(s, l, n)
         q = self._contiguous(q)
         out = self._output(out, n, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
+        self._set_options(&a, opts)
         self.b_tables[0] = s.table
         self.b_segs[0] = s.segs
         a.nseq = 1
@@ -1161,16 +1215,17 @@ cdef class CacheCore:
         self.seqs.touch(s)
         return out
 
-    def attend_batch(self, sids, q, layer=0, scale=None, out=None):
+    def attend_batch(self, sids, q, layer=0, scale=None, out=None, window=None, softcap=None,
+                     sinks=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
         self._enter()
         try:
-            return self._attend_batch(sids, q, layer, scale, out)
+            return self._attend_batch(sids, q, layer, scale, out, window, softcap, sinks)
         finally:
             self._exit()
 
     cdef object _attend_batch(self, object sids, object q, object layer, object scale,
-                              object out):
+                              object out, object window, object softcap, object sinks):
         cdef int l = self._check_layer(layer)
         cdef int64_t B, i
         cdef int hq
@@ -1178,6 +1233,7 @@ cdef class CacheCore:
         B = self._batch_len(sids)
         q = self._query(q, B, "B", &hq)
         cdef double sc = self._scale(scale)
+        opts = self._options(window, softcap, sinks, hq)
         for i in range(B):
             s = self.seqs.lookup(sids[i])
             self._check_attendable(s, l, 1)
@@ -1187,6 +1243,7 @@ cdef class CacheCore:
         out = self._output(out, B, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
+        self._set_options(&a, opts)
         a.nseq = B
         a.nq = 1
         with nogil:

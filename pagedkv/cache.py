@@ -91,8 +91,9 @@ class PagedKVCache:
     non-contiguous ones copied):
         add_sequence(priority=0, token_ids=None, cache_salt=None) -> sid
         append(sid, k, v, layer=0, token_ids=None)    k, v: [n, Hkv, D]
-        attend(sid, q, layer=0, scale=None, out=None) -> [n, Hq, D]
-            causal attention of the newest n tokens' queries (Hq % Hkv == 0)
+        attend(sid, q, layer=0, scale=None, out=None, window=None, softcap=None, sinks=None)
+            -> [n, Hq, D]: causal attention of the newest n tokens' queries (Hq % Hkv == 0),
+            optionally a sliding window, logit softcapping, learned sinks
         append_batch(sids, k, v, layer=0)   one token per sequence, [B, Hkv, D]
         attend_batch(sids, q, layer=0, scale=None, out=None) -> [B, Hq, D]
         gather(sid, layer=0) -> (k, v)      [seq_len, Hkv, D] copies
@@ -269,13 +270,28 @@ class PagedKVCache:
         token_ids: one id per sequence (prefix caching only)."""
         return self._core.append_batch(sids, k, v, layer, token_ids)
 
-    def attend(self, sid: int, q, layer: int = 0, scale=None, out=None) -> np.ndarray:
-        """Causal attention of the newest n tokens' queries q [n, Hq, D] -> [n, Hq, D]."""
-        return self._core.attend(sid, q, layer, scale, out)
+    def attend(self, sid: int, q, layer: int = 0, scale=None, out=None, window=None,
+               softcap=None, sinks=None) -> np.ndarray:
+        """Causal attention of the newest n tokens' queries q [n, Hq, D] -> [n, Hq, D].
 
-    def attend_batch(self, sids, q, layer: int = 0, scale=None, out=None) -> np.ndarray:
-        """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
-        return self._core.attend_batch(sids, q, layer, scale, out)
+        Options (None: off), on every kernel path and storage dtype:
+            window: sliding window; the query at cache rank i sees ranks
+                (i - window, i] (transformers' convention, e.g. Mistral's
+                ``sliding_window``); blocks before the window are not read.
+                Ranks are positions in the cache, so under StreamingLLM the
+                window counts held tokens.
+            softcap: logit softcapping, each scaled score s becomes
+                ``softcap * tanh(s / softcap)`` (Gemma 2).
+            sinks: float32/float64 array [Hq], one learned logit per query
+                head that joins the softmax denominator and carries no value
+                (gpt-oss)."""
+        return self._core.attend(sid, q, layer, scale, out, window, softcap, sinks)
+
+    def attend_batch(self, sids, q, layer: int = 0, scale=None, out=None, window=None,
+                     softcap=None, sinks=None) -> np.ndarray:
+        """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D];
+        window / softcap / sinks as in ``attend``."""
+        return self._core.attend_batch(sids, q, layer, scale, out, window, softcap, sinks)
 
     def gather(self, sid: int, layer: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""

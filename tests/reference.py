@@ -67,6 +67,42 @@ def ref_attention(q, k, v, scale, causal_offset):
     return np.einsum("hnl,lhd->nhd", weights, v_rep)
 
 
+def ref_attention_options(q, k, v, scale, causal_offset, window=None, softcap=None, sinks=None):
+    """``ref_attention`` with the kernel options, in float64.
+
+    window: query i (at key index causal_offset + i) sees keys j with
+        causal_offset + i - window < j <= causal_offset + i (transformers' sliding mask).
+    softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+    sinks: [Hq] logits, one per query head, added to the softmax denominator (no value):
+        weights = exp(s_j) / (sum_j exp(s_j) + exp(sink)).
+    """
+    q64 = np.asarray(q, dtype=np.float64)
+    k64 = np.asarray(k, dtype=np.float64)
+    v64 = np.asarray(v, dtype=np.float64)
+    n, hq, d = q64.shape
+    length, hkv, _ = k64.shape
+    group = hq // hkv
+    k_rep = np.repeat(k64, group, axis=1)
+    v_rep = np.repeat(v64, group, axis=1)
+    scores = np.einsum("nhd,lhd->hnl", q64, k_rep) * float(scale)  # [Hq, n, L]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    last = causal_offset + np.arange(n)[:, None]
+    cols = np.arange(length)[None, :]
+    allowed = cols <= last
+    if window is not None:
+        allowed &= cols > last - window
+    scores = np.where(allowed[None, :, :], scores, -np.inf)
+    mx = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        mx = np.maximum(mx, np.asarray(sinks, np.float64)[:, None, None])
+    weights = np.exp(scores - mx)
+    den = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - mx)
+    return np.einsum("hnl,lhd->nhd", weights / den, v_rep)
+
+
 def assert_attention_close(actual, expected, dtype, values, err_msg=""):
     """Compare with rtol = TOL[dtype] and atol = rtol * max(|values|)."""
     rtol = tol_for(dtype)

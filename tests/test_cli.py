@@ -188,9 +188,12 @@ def test_bench_hf_suite(tmp_path, capsys):
         return
     assert [r["context"] for r in recs] == [48, 96]
     for r in recs:
-        assert r["tokens_match"] is True
+        assert r["tokens_match"] == {"pagedkv": True, "pagedkv-bfloat16": True}
         assert _positive_finite(r["ratio"])
+        assert all(_positive_finite(x) for x in r["ratios"].values())
+        assert all(_positive_finite(x) for x in r["prefill_ratios"].values())
         assert all(_positive_finite(x) for x in r["tokens_per_s"].values())
+        assert set(r["prefill_s"]) == {"pagedkv", "pagedkv-bfloat16", "dynamic-sdpa"}
     assert "DynamicCache+sdpa tok/s" in capsys.readouterr().out
 
 

@@ -106,7 +106,24 @@ typedef struct {
     int64_t partial_slots;
     int nthreads;                 /* threads allowed */
     int64_t *plan_out;            /* NULL or 3 slots: threads used, heads per item, key chunks */
+    /* options (0 / NULL: off; a zeroed struct is plain causal attention) */
+    int64_t window;               /* sliding window: the query at rank i sees ranks
+                                     (i - window, i]; blocks before it are never read */
+    double softcap;               /* scores s (scaled) become softcap * tanh(s / softcap) */
+    const double *sinks;          /* [hq]: a learned logit per query head that joins the
+                                     softmax denominator and carries no value */
 } pkv_attn_args;
+
+/* First rank a query at rank `last` sees (0 without a window). */
+static inline int64_t pkv_window_lo(int64_t last, int64_t window) {
+    return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+}
+
+/* Keys a decode query (at the newest held rank) sees. */
+static inline int64_t pkv_decode_visible(const pkv_segs *sg, int64_t window) {
+    const int64_t held = (sg->a1 - sg->a0) + (sg->b1 - sg->b0);
+    return window > 0 && held > window ? window : held;
+}
 
 /* The work split of one decode / prefill call (attn_impl.h), shared by its items. */
 typedef struct {
@@ -169,6 +186,7 @@ static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
 #define VADD(a, b) ((a) + (b))
 #define VSUB(a, b) ((a) - (b))
 #define VMUL(a, b) ((a) * (b))
+#define VDIV(a, b) ((a) / (b))
 #define VMAX(a, b) ((a) > (b) ? (a) : (b))
 #define VMIN(a, b) ((a) < (b) ? (a) : (b))
 #define VFMA(a, b, c) ((a) * (b) + (c))
@@ -256,6 +274,7 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #define VADD(a, b) _mm256_add_ps(a, b)
 #define VSUB(a, b) _mm256_sub_ps(a, b)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
@@ -282,6 +301,7 @@ static inline __m128i pkv_load4_i8(const int8_t *p) {
 #define VADD(a, b) _mm256_add_pd(a, b)
 #define VSUB(a, b) _mm256_sub_pd(a, b)
 #define VMUL(a, b) _mm256_mul_pd(a, b)
+#define VDIV(a, b) _mm256_div_pd(a, b)
 #define VMAX(a, b) _mm256_max_pd(a, b)
 #define VMIN(a, b) _mm256_min_pd(a, b)
 #define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
@@ -313,6 +333,7 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VSUB(a, b) _mm512_sub_ps(a, b)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
 #define VMAX(a, b) _mm512_max_ps(a, b)
 #define VMIN(a, b) _mm512_min_ps(a, b)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
@@ -339,6 +360,7 @@ PKV_TARGET_BEGIN("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
 #define VADD(a, b) _mm512_add_pd(a, b)
 #define VSUB(a, b) _mm512_sub_pd(a, b)
 #define VMUL(a, b) _mm512_mul_pd(a, b)
+#define VDIV(a, b) _mm512_div_pd(a, b)
 #define VMAX(a, b) _mm512_max_pd(a, b)
 #define VMIN(a, b) _mm512_min_pd(a, b)
 #define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
@@ -410,6 +432,7 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VADD(a, b) vaddq_f32(a, b)
 #define VSUB(a, b) vsubq_f32(a, b)
 #define VMUL(a, b) vmulq_f32(a, b)
+#define VDIV(a, b) vdivq_f32(a, b)
 #define VMAX(a, b) vmaxnmq_f32(a, b)
 #define VMIN(a, b) vminnmq_f32(a, b)
 #define VFMA(a, b, c) vfmaq_f32(c, a, b)
@@ -436,6 +459,7 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
 #define VADD(a, b) vaddq_f64(a, b)
 #define VSUB(a, b) vsubq_f64(a, b)
 #define VMUL(a, b) vmulq_f64(a, b)
+#define VDIV(a, b) vdivq_f64(a, b)
 #define VMAX(a, b) vmaxnmq_f64(a, b)
 #define VMIN(a, b) vminnmq_f64(a, b)
 #define VFMA(a, b, c) vfmaq_f64(c, a, b)

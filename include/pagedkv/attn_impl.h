@@ -401,18 +401,25 @@ static inline void KFN(score_runs)(const T *restrict qh, const int *rows, int na
 }
 
 /* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
- * (n columns at ranks r, r + 1, ...). */
+ * (n columns at ranks r, r + 1, ...).  Row i sees ranks (lim[i] - window,
+ * lim[i]] (window 0: [0, lim[i]]), at least one of them in this tile (the
+ * caller selects the rows); softcap > 0 caps the visible scores first. */
 static inline void KFN(tile_softmax)(T *restrict s, int ldc, const int *rows, int na,
-                                     const int64_t *lim, int64_t r, int n, double *m, double *l,
-                                     T *restrict alpha) {
+                                     const int64_t *lim, int64_t r, int n, int64_t window,
+                                     T softcap, double *m, double *l, T *restrict alpha) {
     for (int a = 0; a < na; a++, s += ldc) {
         const int i = rows[a];
         const int64_t c64 = lim[i] - r + 1;
         const int cnt = c64 < n ? (int)c64 : n;
-        const T mx = FN(row_max)(s, cnt);
+        const int64_t s64 = pkv_window_lo(lim[i], window) - r;
+        const int st = s64 > 0 ? (int)s64 : 0;
+        T *sv = s + st;
+        if (softcap > 0) FN(softcap)(sv, cnt - st, softcap);
+        const T mx = FN(row_max)(sv, cnt - st);
         const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
         const T al = m[i] == -INFINITY ? (T)0 : FN(sexp)((T)(m[i] - m_new));
-        const double psum = FN(exp_shift)(s, cnt, (T)m_new);
+        const double psum = FN(exp_shift)(sv, cnt - st, (T)m_new);
+        for (int j = 0; j < st; j++) s[j] = 0;  /* before the window */
         for (int j = cnt; j < n; j++) s[j] = 0; /* causally masked */
         l[i] = l[i] * (double)al + psum;
         m[i] = m_new;
@@ -522,7 +529,7 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
         }
         int na = 0;
         for (int i = 0; i < nqh; i++)
-            if (lim[i] >= tile_r0) rows[na++] = i;
+            if (lim[i] >= tile_r0 && pkv_window_lo(lim[i], a->window) < tile_r0 + nk) rows[na++] = i;
         if (na == 0) continue;
 #if PKV_STORE_SCALED
         if (g0 + cnt < nent) { /* the next tile's scales (the streams fetch the values) */
@@ -582,8 +589,9 @@ static void KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                             KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs,
                                                runs[u].off, runs[u].n, runs[u].col, d, sh, ldc);
                     }
-                    KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, m + (size_t)hh * nqh,
-                                      l + (size_t)hh * nqh, alpha + hh * na);
+                    KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window,
+                                      (T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
+                                      alpha + hh * na);
                 } else {
                     KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha + hh * na,
                                      runs, cnt, (size_t)bs, d, kbuf, ps);
@@ -610,12 +618,14 @@ static inline void KFN(decode_item)(const pkv_attn_args *a, const pkv_decode_pla
     const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
     const pkv_segs sg = a->segs[b];
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
+    const int64_t lo = pkv_window_lo(held - 1, a->window), vis = held - lo;
     FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
-    /* the query token is token b of q: load_queries/store_out index tokens from t0 = b */
-    KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, held * c / nchunk,
-                     held * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    /* the query token is token b of q: load_queries/store_out index tokens from t0 = b;
+     * key chunks split the visible ranks [lo, held) (the window's blocks only) */
+    KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, lo + vis * c / nchunk,
+                     lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
     if (nchunk == 1) {
-        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
+        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
     } else {
         char *p = (char *)a->partial + (size_t)it * slot_bytes;
         const int nq = nh * ng;
@@ -636,7 +646,7 @@ static void KFN(decode)(const pkv_attn_args *a) {
     const int gsz = a->hq / a->hkv, d = a->d;
     double work = 0.0; /* multiply-adds */
     for (int64_t b = 0; b < a->nseq; b++)
-        work += (double)((a->segs[b].a1 - a->segs[b].a0) + (a->segs[b].b1 - a->segs[b].b0));
+        work += (double)pkv_decode_visible(&a->segs[b], a->window);
     work *= 2.0 * a->hq * d;
     const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
     const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
@@ -650,7 +660,7 @@ static void KFN(decode)(const pkv_attn_args *a) {
     if (base < nthreads && a->partial_slots > 0) {
         int64_t held_min = INT64_MAX;
         for (int64_t b = 0; b < a->nseq; b++) {
-            const int64_t h = (a->segs[b].a1 - a->segs[b].a0) + (a->segs[b].b1 - a->segs[b].b0);
+            const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
             if (h < held_min) held_min = h;
         }
         nchunk = (nthreads + base - 1) / base;
@@ -703,8 +713,9 @@ static void KFN(decode)(const pkv_attn_args *a) {
                 for (int j = 0; j < d; j++) dst[j] += (T)w * pa[j];
             }
             sc.l[i] = lsum;
+            sc.m[i] = mx;
         }
-        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l);
+        FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
     }
 }
 
@@ -721,9 +732,11 @@ static inline void KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_p
     const int64_t t0 = tile * tq;
     const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
     FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
-    KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, 0, pl->rank0 + t0 + nt, sc.acc, sc.m,
-                     sc.l, sc.sbuf, sc.kbuf, sc.alpha);
-    FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l);
+    /* from the first rank the tile's first query sees: with a window, the blocks
+     * before it are never read */
+    KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 
 /* Causal prefill of one sequence: a->nq query tokens are its newest held ranks.
@@ -740,8 +753,10 @@ static void KFN(prefill)(const pkv_attn_args *a) {
     const pkv_segs sg = a->segs[0];
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
     const int64_t rank0 = held - a->nq;
-    /* causal multiply-adds: query i sees rank0 + i + 1 keys */
-    const double work = 2.0 * a->hq * a->d * (double)a->nq * ((double)rank0 + 0.5 * (a->nq + 1));
+    /* causal multiply-adds: query i sees rank0 + i + 1 keys (at most window) */
+    double work = 2.0 * a->hq * a->d * (double)a->nq * ((double)rank0 + 0.5 * (a->nq + 1));
+    if (a->window > 0 && work > 2.0 * a->hq * a->d * (double)a->nq * (double)a->window)
+        work = 2.0 * a->hq * a->d * (double)a->nq * (double)a->window;
     const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
     if (a->plan_out) {
         a->plan_out[0] = nthreads;

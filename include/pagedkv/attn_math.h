@@ -9,7 +9,7 @@
  *   FN(name)  name mangling per (compute, ISA), e.g. name##_f32_avx2
  *   VEC, W    vector type and its number of lanes
  *   VLOAD(p) VSTORE(p, x) VSET1(s) VZERO() VADD(a, b) VMUL(a, b)
- *   VSUB(a, b) VMAX(a, b) VMIN(a, b)
+ *   VSUB(a, b) VMAX(a, b) VMIN(a, b) VDIV(a, b)
  *   VFMA(a, b, c)  a * b + c
  *   VREDUCE(x)     horizontal sum -> T
  *   VHMAX(x)       horizontal max -> T
@@ -128,6 +128,20 @@ static inline double FN(exp_shift)(T *restrict s, int n, T mx) {
     return sum;
 }
 
+/* Logit softcapping in place: s[j] = c * tanh(s[j] / c) for j < n, with
+ * tanh(x) = 1 - 2 / (exp(2x) + 1) on the softmax's exp (its clamp gives
+ * exactly +-1 far out). */
+static inline void FN(softcap)(T *restrict s, int n, T c) {
+    const T inv2 = (T)2 / c;
+    int j = 0;
+    const VEC vi = VSET1(inv2), vc = VSET1(c), one = VSET1((T)1), two = VSET1((T)2);
+    for (; j + W <= n; j += W) {
+        const VEC e = FN(vexp)(VMUL(VLOAD(s + j), vi));
+        VSTORE(s + j, VMUL(vc, VSUB(one, VDIV(two, VADD(e, one)))));
+    }
+    for (; j < n; j++) s[j] = c * ((T)1 - (T)2 / (FN(sexp)(s[j] * inv2) + (T)1));
+}
+
 /* max of s[0, n), n >= 1 */
 static inline T FN(row_max)(const T *restrict s, int n) {
     int j = 0;
@@ -204,16 +218,19 @@ static inline void FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int6
 }
 
 /* out rows (same layout as load_queries) = acc / l, rounded once to 16 bits
- * when the arrays are */
+ * when the arrays are; with learned sinks the denominator also takes
+ * exp(sink of the row's query head - m). */
 static inline void FN(store_out)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
-                                 int g0, int ng, const T *acc, const double *l) {
+                                 int g0, int ng, const T *acc, const double *l, const double *m) {
     const int d = a->d, gsz = a->hq / a->hkv;
     for (int hh = 0; hh < nh; hh++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < ng; g++) {
                 const size_t i = ((size_t)hh * nt + t) * ng + g;
                 const size_t at = ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
-                const T inv = (T)(1.0 / l[i]);
+                double den = l[i];
+                if (a->sinks) den += exp(a->sinks[(size_t)(h0 + hh) * gsz + g0 + g] - m[i]);
+                const T inv = (T)(1.0 / den);
                 if (a->qo16 == PKV_BF16) {
                     uint16_t *dst = (uint16_t *)a->out + at;
                     for (int j = 0; j < d; j++) dst[j] = pkv_f32_to_bf16((float)(acc[i * d + j] * inv));

@@ -9,6 +9,7 @@
 #undef VADD
 #undef VSUB
 #undef VMUL
+#undef VDIV
 #undef VMAX
 #undef VMIN
 #undef VFMA

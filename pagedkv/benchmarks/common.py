@@ -47,6 +47,8 @@ class Settings:
     repeats: int = 5
     quick: bool = False
     tiny: bool = False           # test-only: minute shapes, finishes in seconds
+    long: bool = False           # hf suite: also the 1b-layers model at 16,384 tokens
+    hf_models: tuple = ()        # hf suite: models to run (empty: its defaults)
     use_torch: bool = True
     target: float = 0.05         # seconds per timed sample
     gap: float = 0.01            # idle seconds before each sample (lets spinning thread pools sleep)

@@ -1,14 +1,26 @@
-"""transformers ``generate()`` tokens/s: pagedkv (cache + attention) vs DynamicCache + sdpa.
+"""transformers ``generate()``: pagedkv (cache + attention) vs DynamicCache + sdpa.
 
-Opt-in (``pagedkv bench --suites hf``; needs the ``hf`` extra).  A random Llama-shaped model
-where attention matters at long context: hidden 256, 2 layers, 8 query heads, 4 KV heads,
-head_dim 64, vocabulary 512, f32 (2 KiB of K+V per token and layer).  For each context L the
-first L-1 prompt tokens are prefilled once per cache (timed once, reported), then every
-round runs ``generate(prompt, max_new_tokens=N)`` greedily on both caches, interleaved in the
-same round (which goes first alternates), and crops the N new positions off again.
+Opt-in (``pagedkv bench --suites hf``; needs the ``hf`` extra).  Two random Llama-shaped models,
+f32 weights:
+
+* "small": hidden 256, 2 layers, 8 query heads, 4 KV heads, head_dim 64, vocabulary 512
+  (2 KiB of K+V per token and layer): attention dominates at long context.
+* "1b-layers": a Llama-3.2-1B-shaped layer stack, two layers (per-layer ratios): hidden
+  2048, 32 query heads, 8 KV heads, head_dim 64, MLP 8192, vocabulary 512.  Contexts 512 and
+  4,096 by default, 16,384 with ``--long`` (its prefills take minutes on a small machine).
+* "h1024" (only with ``--hf-models h1024``): hidden 1024, 4 layers, 16 query heads, 4 KV
+  heads, head_dim 64, MLP 4096.
+
+pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in f32.  For each
+context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
+(``prefill_rounds`` times, median: time to first token without the last token's forward);
+then every round runs ``generate(prompt, max_new_tokens=N)`` greedily on each cache,
+interleaved (the order alternates), and crops the N new positions off again.
 tokens/s = N / time of that generate call (one forward per token: the last prompt token,
-then N-1 generated ones); the ratio is the median of per-round DynamicCache / pagedkv
-times.  The first round's tokens of the two are compared and reported.
+then N-1 generated ones); ratios are medians of per-round DynamicCache / pagedkv times.  The
+first round's tokens of each cache are compared with DynamicCache's and reported (f32 storage
+must match; bf16 storage rounds K/V, so a near-tie between two tokens of a random model can
+flip).
 """
 from __future__ import annotations
 
@@ -19,19 +31,53 @@ import numpy as np
 
 from pagedkv.benchmarks.common import Settings, ThreadScope, fmt_ratio, fmt_time, table
 
-CONTEXTS = (512, 4096, 16384)
 NEW_TOKENS = 32
-SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 BLOCK_SIZE = 16
+MODELS = {
+    "small": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "1b-layers": dict(vocab_size=512, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=64),
+    # opt-in (--hf-models): a mid-sized Llama, 4 layers
+    "h1024": dict(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+}
+DEFAULT_MODELS = ("small", "1b-layers")
+CONTEXTS = {"small": (512, 4096, 16384), "1b-layers": (512, 4096), "h1024": (512, 4096)}
+LONG_CONTEXTS = {"1b-layers": (16384,)}
+STORAGE = ("float32", "bfloat16")
+DYN = "dynamic-sdpa"
 
 
-def _contexts(settings: Settings):
-    return (48, 96) if settings.tiny else CONTEXTS
+def _plan(settings: Settings):
+    """[(model name, context)] this run measures."""
+    if settings.tiny:
+        return [("small", 48), ("small", 96)]
+    out = []
+    for name in settings.hf_models or DEFAULT_MODELS:
+        ctx = CONTEXTS[name] + (LONG_CONTEXTS.get(name, ()) if settings.long else ())
+        if settings.quick:
+            ctx = tuple(c for c in ctx if c <= 4096)
+        out.extend((name, c) for c in ctx)
+    return out
+
+
+def parse_models(text) -> tuple:
+    names = tuple(p.strip() for p in str(text).split(",") if p.strip())
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise ValueError(f"unknown hf model {bad[0] if bad else text!r}; choose from "
+                         f"{', '.join(MODELS)}")
+    return names
 
 
 def steps(settings: Settings) -> int:
-    return len(_contexts(settings))
+    return len(_plan(settings))
+
+
+def _impl(storage: str) -> str:
+    return "pagedkv" if storage == "float32" else f"pagedkv-{storage}"
 
 
 def run(settings: Settings) -> List[dict]:
@@ -46,56 +92,87 @@ def run(settings: Settings) -> List[dict]:
         return [{"suite": "hf", "available": False}]
     threads = max(settings.threads)
     new = 4 if settings.tiny else NEW_TOKENS
+    plan = _plan(settings)
+    max_ctx = max(c for _, c in plan)
 
-    def model():
+    def model(name):
         torch.manual_seed(0)
-        cfg = LlamaConfig(max_position_embeddings=max(CONTEXTS) + NEW_TOKENS, pad_token_id=0,
-                          eos_token_id=None, bos_token_id=None, **SHAPE)
+        cfg = LlamaConfig(max_position_embeddings=max_ctx + NEW_TOKENS, pad_token_id=0,
+                          eos_token_id=None, bos_token_id=None, **MODELS[name])
         return LlamaForCausalLM(cfg).eval()
 
-    ours, base = model(), model()
-    base.set_attn_implementation("sdpa")
     recs = []
+    pair = {}
     with ThreadScope(threads, torch), torch.no_grad():
-        for L in _contexts(settings):
+        for name, L in plan:
+            if name not in pair:
+                pair.clear()  # one model pair in memory at a time
+                ours, base = model(name), model(name)
+                base.set_attn_implementation("sdpa")
+                pair[name] = (ours, base)
+            ours, base = pair[name]
             if settings.progress is not None:
-                settings.progress.start(f"hf: context {L}")
-            ids = torch.randint(1, SHAPE["vocab_size"], (1, L),
-                                generator=torch.Generator().manual_seed(L))
-            t0 = time.perf_counter()
-            dyn = DynamicCache(config=base.config)
-            base(ids[:, :L - 1], past_key_values=dyn)
-            t1 = time.perf_counter()
-            pc = paged_cache(ours, num_blocks=-(-(L + new) // BLOCK_SIZE) + 1,
-                             block_size=BLOCK_SIZE)
-            ours(ids[:, :L - 1], past_key_values=pc)
-            t2 = time.perf_counter()
-            runs = {"pagedkv": (ours, pc), "dynamic-sdpa": (base, dyn)}
-            times = {name: [] for name in runs}
+                settings.progress.start(f"hf: {name} context {L}")
+            vocab = MODELS[name]["vocab_size"]
+            ids = torch.randint(1, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+            nblk = -(-(L + new) // BLOCK_SIZE) + 1
+
+            def fresh(impl):
+                if impl == DYN:
+                    return base, DynamicCache(config=base.config)
+                kv = "bfloat16" if impl.endswith("bfloat16") else None
+                return ours, paged_cache(ours, num_blocks=nblk, block_size=BLOCK_SIZE,
+                                         kv_dtype=kv)
+
+            impls = [_impl(st) for st in STORAGE] + [DYN]
+            big = L * MODELS[name]["hidden_size"] >= 4096 * 1024  # a prefill of 10 s or more
+            prefill_rounds = 1 if (settings.tiny or L > 4096) else (2 if big else
+                                                                    min(3, settings.repeats))
+            pre = {i: [] for i in impls}
+            caches = {}
+            for r in range(prefill_rounds):
+                order = impls if r % 2 == 0 else impls[::-1]
+                for impl in order:
+                    m, cache = fresh(impl)
+                    caches.pop(impl, None)
+                    time.sleep(settings.gap)
+                    s = time.perf_counter()
+                    m(ids[:, :L - 1], past_key_values=cache)
+                    pre[impl].append(time.perf_counter() - s)
+                    caches[impl] = (m, cache)
+            times = {i: [] for i in impls}
             seqs = {}
             for r in range(settings.repeats):
-                order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-                for name in order:
-                    m, cache = runs[name]
+                order = impls if r % 2 == 0 else impls[::-1]
+                for impl in order:
+                    m, cache = caches[impl]
                     time.sleep(settings.gap)
                     s = time.perf_counter()
                     out = m.generate(ids, past_key_values=cache, max_new_tokens=new,
                                      min_new_tokens=new, do_sample=False)
-                    times[name].append(time.perf_counter() - s)
-                    seqs.setdefault(name, out)
+                    times[impl].append(time.perf_counter() - s)
+                    seqs.setdefault(impl, out)
                     cache.crop(-new)
-            p, d = np.array(times["pagedkv"]), np.array(times["dynamic-sdpa"])
-            recs.append({
-                "suite": "hf", "available": True, "context": L, "new_tokens": new,
-                "threads": threads, "model": dict(SHAPE), "block_size": BLOCK_SIZE,
-                "prefill_s": {"pagedkv": t2 - t1, "dynamic-sdpa": t1 - t0},
-                "samples_s": {"pagedkv": p.tolist(), "dynamic-sdpa": d.tolist()},
-                "tokens_per_s": {"pagedkv": new / float(np.median(p)),
-                                 "dynamic-sdpa": new / float(np.median(d))},
-                "ratio": float(np.median(d / p)),
-                "tokens_match": bool(torch.equal(seqs["pagedkv"], seqs["dynamic-sdpa"])),
-            })
-            del dyn, pc
+            d = np.array(times[DYN])
+            pd = np.array(pre[DYN])
+            rec = {
+                "suite": "hf", "available": True, "model_name": name, "context": L,
+                "new_tokens": new, "threads": threads, "model": dict(MODELS[name]),
+                "block_size": BLOCK_SIZE,
+                "prefill_s": {i: float(np.median(pre[i])) for i in impls},
+                "prefill_samples_s": {i: list(pre[i]) for i in impls},
+                "samples_s": {i: list(times[i]) for i in impls},
+                "tokens_per_s": {i: new / float(np.median(times[i])) for i in impls},
+                "ratios": {i: float(np.median(d / np.array(times[i]))) for i in impls if i != DYN},
+                "prefill_ratios": {i: float(np.median(pd / np.array(pre[i])))
+                                   if len(pre[i]) == len(pd) else float(pd[0] / pre[i][0])
+                                   for i in impls if i != DYN},
+                "tokens_match": {i: bool(torch.equal(seqs[i], seqs[DYN]))
+                                 for i in impls if i != DYN},
+            }
+            rec["ratio"] = rec["ratios"]["pagedkv"]
+            recs.append(rec)
+            caches.clear()
             if settings.progress is not None:
                 settings.progress.step()
     return recs
@@ -106,18 +183,29 @@ def report(settings: Settings, recs: List[dict]) -> str:
         return "transformers generate: skipped (pip install 'pagedkv[hf]')"
     r0 = recs[0]
     head = (f"transformers generate, greedy, {r0['new_tokens']} new tokens after a prefilled "
-            f"context; random Llama (hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} "
-            f"layers, Hq={SHAPE['num_attention_heads']} Hkv={SHAPE['num_key_value_heads']} "
-            f"D={SHAPE['head_dim']}), f32, {r0['threads']} thread(s); ratio = DynamicCache time "
-            "/ pagedkv time, median of paired rounds")
+            f"context; random Llama-shaped models, f32 weights, {r0['threads']} thread(s); "
+            "small = hidden 256, 2 layers, Hq=8 Hkv=4 D=64; 1b-layers = 2 layers of "
+            "Llama-3.2-1B (hidden 2048, Hq=32 Hkv=8 D=64, MLP 8192); h1024 = hidden 1024, "
+            "4 layers, Hq=16 Hkv=4 D=64, MLP 4096.  pagedkv f32 / bf16 "
+            "storage vs DynamicCache + sdpa (f32).  Decode ratio = DynamicCache time / pagedkv "
+            "time, median of paired rounds; prefill = the L-1 prompt tokens in one forward "
+            "(median), ratio > 1: pagedkv faster")
     rows = []
     for r in recs:
-        rows.append([str(r["context"]), f"{r['tokens_per_s']['pagedkv']:.1f}",
-                     f"{r['tokens_per_s']['dynamic-sdpa']:.1f}", fmt_ratio(r["ratio"]),
+        tp = r["tokens_per_s"]
+        rows.append([r.get("model_name", "small"), str(r["context"]),
+                     f"{tp['pagedkv']:.1f} / {tp['pagedkv-bfloat16']:.1f}", f"{tp[DYN]:.1f}",
+                     f"{fmt_ratio(r['ratios']['pagedkv'])} / "
+                     f"{fmt_ratio(r['ratios']['pagedkv-bfloat16'])}",
                      f"{fmt_time(r['prefill_s']['pagedkv'])} / "
-                     f"{fmt_time(r['prefill_s']['dynamic-sdpa'])}",
-                     "yes" if r["tokens_match"] else "NO"])
+                     f"{fmt_time(r['prefill_s']['pagedkv-bfloat16'])}",
+                     fmt_time(r["prefill_s"][DYN]),
+                     f"{fmt_ratio(r['prefill_ratios']['pagedkv'])} / "
+                     f"{fmt_ratio(r['prefill_ratios']['pagedkv-bfloat16'])}",
+                     " / ".join("yes" if r["tokens_match"][i] else "no"
+                                for i in ("pagedkv", "pagedkv-bfloat16"))])
     return head + "\n" + table(
-        ["context", "pagedkv tok/s", "DynamicCache+sdpa tok/s", "ratio",
-         "prefill pagedkv / sdpa", "same tokens"], rows,
-        [True, True, True, True, True, False])
+        ["model", "context", "pagedkv f32 / bf16 tok/s", "DynamicCache+sdpa tok/s",
+         "decode ratio f32 / bf16", "prefill pagedkv f32 / bf16", "prefill sdpa",
+         "prefill ratio f32 / bf16", "same tokens f32 / bf16"], rows,
+        [False, True, True, True, True, True, True, True, False])

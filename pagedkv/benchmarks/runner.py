@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="interleaved rounds per configuration (default 5, --quick 3)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--long", action="store_true",
+                   help="hf suite: also 16,384-token contexts for the Llama-3.2-1B-shaped layers "
+                        "(minutes)")
+    p.add_argument("--hf-models", default=None, metavar="LIST",
+                   help="hf suite: models, of small, 1b-layers, h1024 (default small,1b-layers)")
     # test-only: minute shapes so that the whole pipeline runs in seconds
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
@@ -116,7 +121,9 @@ def run_suites(args: argparse.Namespace, out=None):
     tiny = bool(getattr(args, "tiny", False))
     repeats = args.repeats if args.repeats is not None else (3 if (quick or tiny) else 5)
     settings = Settings(threads=threads, dtypes=dtypes, kv_dtypes=kv_dtypes, repeats=repeats,
-                        quick=quick, tiny=tiny,
+                        quick=quick, tiny=tiny, long=bool(getattr(args, "long", False)),
+                        hf_models=(hf_suite.parse_models(args.hf_models)
+                                   if getattr(args, "hf_models", None) else ()),
                         use_torch=not args.no_torch,
                         target=0.01 if tiny else (0.02 if quick else 0.05),
                         gap=0.0 if tiny else 0.01,

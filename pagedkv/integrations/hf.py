@@ -14,8 +14,13 @@ pagedkv`` never imports either.  Inference only (no autograd through the attenti
 How the pieces meet (transformers 5.x calls ``cache.update(k, v, layer_idx)`` and then the
 model's attention function, which is never handed the cache):
 
-- ``PagedCache`` is a ``transformers.Cache`` with one ``PagedLayer`` per decoder layer; all
-  layers share one ``PagedKVCache`` (one pool) and one sequence per batch row (``_Rows``).
+- ``PagedCache`` is a ``transformers.Cache`` with one ``PagedLayer`` per decoder layer.  Layers
+  form groups by attention type ("full_attention", "sliding_attention": ``layer_groups``);
+  each group has one ``PagedKVCache`` (its own pool and block tables) and one sequence per
+  batch row (``_Rows``).  A sliding group with window W trims every sequence to its last
+  W - 1 tokens before each step (``StreamingLLM(0, W - 1)``), so its memory stays bounded,
+  and passes ``window=W`` to the kernels (the query at rank i sees ranks (i - W, i], as
+  transformers' sliding mask; a longer prompt's early queries need it).
 - ``PagedLayer.update`` writes nothing: it keeps the new K/V pending and returns the new key
   tensor with the attribute ``_pagedkv_layer`` set to the layer.  That attribute is the link:
   the ``"pagedkv"`` attention function finds the layer on the key tensor it receives.
@@ -29,8 +34,12 @@ model's attention function, which is never handed the cache):
   (``AttentionMaskInterface``): without a registered mask function transformers passes
   ``attention_mask=None`` and left-padded batches would attend to their padding.  ``None``
   still comes for plain causal batches and means "every new token is real".
+- The attention module's ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's
+  learned sinks) become the kernels' ``window`` / ``softcap`` / ``sinks`` options; a window
+  other than the one the layer's group was built for raises.
 - A key tensor without the link (the model was called without a ``PagedCache``, e.g. a
-  ``DynamicCache`` or ``use_cache=False``) is handled by transformers' sdpa attention, so a
+  ``DynamicCache`` or ``use_cache=False``) is handled by transformers' sdpa attention (the
+  module's eager attention where it needs softcap or sinks, which sdpa lacks), so a
   model switched to "pagedkv" keeps working with any cache.
 - Beam search, ``num_return_sequences``, contrastive search and assisted decoding reorder,
   repeat, select or crop batch rows: ``reorder_cache`` / ``batch_repeat_interleave`` /
@@ -50,6 +59,7 @@ re-rounds every key at every eviction.  Only the "default" RoPE type is supporte
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import List, Optional, Sequence
 
@@ -70,8 +80,8 @@ from pagedkv.integrations.batching import STEP_KWARG, ContinuousBatcher, resolve
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
-__all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "paged_cache",
-           "register"]
+__all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "layer_groups",
+           "layer_windows", "paged_cache", "register"]
 
 ATTENTION_NAME = "pagedkv"
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
@@ -85,28 +95,77 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def paged_cache(model, num_blocks: Optional[int] = None, block_size: int = 16,
-                kv_dtype: Optional[str] = None, streaming: Optional[StreamingLLM] = None,
-                max_seqs: int = 256, kv_cache_bytes: Optional[int] = None) -> "PagedCache":
-    """A ``transformers.Cache`` backed by a ``PagedKVCache``, for ``past_key_values=``.
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def layer_windows(config) -> List[Optional[int]]:
+    """The sliding window of each decoder layer (None: full attention) from a text config.
+
+    ``config.layer_types`` ("full_attention" / "sliding_attention", Gemma 2/3, gpt-oss, Qwen2/3)
+    where the config has it, else ``config.sliding_window`` for every layer (Mistral) unless
+    ``use_sliding_window`` is False.  Any other layer type raises NotImplementedError naming it.
+    """
+    num_layers = int(config.num_hidden_layers)
+    sw = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        slide = sw is not None and getattr(config, "use_sliding_window", True) is not False
+        types = [SLIDING if slide else FULL] * num_layers
+    types = list(types)
+    if len(types) != num_layers:
+        raise ValueError(f"config.layer_types names {len(types)} layers; the model has {num_layers}")
+    other = sorted({t for t in types if t not in (FULL, SLIDING)})
+    if other:
+        raise NotImplementedError(
+            f"pagedkv supports 'full_attention' and 'sliding_attention' layers; this model has "
+            f"{', '.join(map(repr, other))} layers")
+    if SLIDING in types and (isinstance(sw, bool) or not isinstance(sw, int) or sw < 1):
+        raise ValueError(f"sliding-window layers need config.sliding_window >= 1, got {sw!r}")
+    return [int(sw) if t == SLIDING else None for t in types]
+
+
+def _group_name(window: Optional[int], windows) -> str:
+    if window is None:
+        return FULL
+    return SLIDING if len({w for w in windows if w is not None}) == 1 else f"{SLIDING}_{window}"
+
+
+def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional[str] = None,
+                streaming: Optional[StreamingLLM] = None, max_seqs: int = 256,
+                kv_cache_bytes: Optional[int] = None) -> "PagedCache":
+    """A ``transformers.Cache`` backed by pagedkv, for ``past_key_values=``.
 
     Also registers the "pagedkv" attention and switches ``model`` to it (the model then uses
-    transformers' sdpa attention for any other cache, see the module docstring).
+    transformers' own attention for any other cache, see the module docstring).
+
+    Layers form groups by attention type, each group one ``PagedKVCache`` (its own pool and
+    block tables): "full_attention" keeps every token; "sliding_attention" (a window of W
+    tokens) keeps the last W - 1 before each step (StreamingLLM with no sinks: blocks that
+    left the window return to its pool), so it holds about ``ceil((W + n) / block_size) + 1``
+    blocks per sequence however long the stream.  Most models have one group.
 
     Args:
         model: a transformers decoder model (float32, float64, bfloat16 or float16 weights),
             e.g. LlamaForCausalLM.  16-bit models hand their tensors to the kernels as they
             are (no copy): the kernels compute in float32 and round the output once.
-        num_blocks: blocks in the pool; all layers and all batch rows share it.
+        num_blocks: blocks in each group's pool (all of the group's layers and batch rows share
+            it), or a dict {group name: blocks} (names: ``layer_groups(model)``).
         block_size: tokens per block.
         kv_dtype: storage dtype of K/V (None: the model's dtype); passed to ``PagedKVCache``.
-        streaming: None or ``pagedkv.StreamingLLM(sink_tokens, window_tokens)`` (see above).
+        streaming: None or ``pagedkv.StreamingLLM(sink_tokens, window_tokens)`` (see above;
+            not with sliding-window models).
         max_seqs: live sequences at most (one per batch row, beams included).
-        kv_cache_bytes: a memory budget for the pool instead of ``num_blocks`` (as many
-            blocks as fit; ``cache.paged.num_blocks`` tells how many).
+        kv_cache_bytes: a memory budget instead of ``num_blocks``: as many blocks as fit,
+            split across the groups by their layers (every group gets the same number of
+            blocks; ``cache.paged.num_blocks`` / ``cache.groups`` tell how many).
 
     Returns:
-        a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache``.
+        a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache`` (one group),
+        ``cache.groups`` maps each group's name to its ``PagedKVCache``.
+
+    Raises:
+        NotImplementedError: the model has layers pagedkv cannot run (the message names them).
     """
     config = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu":
@@ -115,41 +174,86 @@ def paged_cache(model, num_blocks: Optional[int] = None, block_size: int = 16,
     if dtype is None:
         raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
                         f"is {model.dtype}")
-    num_layers = int(config.num_hidden_layers)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
+                                  "has no cross-attention cache")
+    windows = layer_windows(config)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    num_blocks = _num_blocks_of(num_blocks, kv_cache_bytes, block_size, num_kv_heads,
-                                head_dim, num_layers, dtype, kv_dtype)
-    kwargs = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, num_layers=num_layers, dtype=dtype, max_seqs=max_seqs)
+    groups = {}
+    for i, w in enumerate(windows):
+        groups.setdefault(_group_name(w, windows), (w, []))[1].append(i)
+    if kv_cache_bytes is not None or num_blocks is None:
+        num_blocks = _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size,
+                                       num_kv_heads, head_dim, dtype, kv_dtype)
+    if isinstance(num_blocks, dict):
+        unknown = sorted(set(num_blocks) - set(groups))
+        missing = sorted(set(groups) - set(num_blocks))
+        if unknown or missing:
+            raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
+                             f"{sorted(groups)}")
+        blocks_of = dict(num_blocks)
+    else:
+        blocks_of = {g: num_blocks for g in groups}
+    base = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                max_seqs=max_seqs)
     if dtype in ("bfloat16", "float16"):
-        kwargs["raw16"] = True  # torch's 16-bit tensors reach the kernels as uint16 views
+        base["raw16"] = True  # torch's 16-bit tensors reach the kernels as uint16 views
     if kv_dtype is not None:
         if "kv_dtype" not in inspect.signature(PagedKVCache.__init__).parameters:
             raise TypeError(f"kv_dtype={kv_dtype!r} needs a PagedKVCache that accepts kv_dtype "
                             "(storage formats); the installed pagedkv's does not")
-        kwargs["kv_dtype"] = kv_dtype
+        base["kv_dtype"] = kv_dtype
     if streaming is not None:
         if not isinstance(streaming, StreamingLLM):
             raise TypeError(f"streaming must be None or a pagedkv.StreamingLLM, "
                             f"got {type(streaming).__name__}")
-        kwargs["streaming"] = streaming
-        kwargs["rope"] = _rope_of(config, head_dim)
+        if any(w is not None for w in windows):
+            raise NotImplementedError(
+                "streaming= (StreamingLLM) with a model that has sliding-window layers: its "
+                "sliding layers already keep bounded memory; use paged_cache without streaming")
+        base["streaming"] = streaming
+        base["rope"] = _rope_of(config, head_dim)
+    caches = {}
+    for name, (w, layers) in groups.items():
+        kw = dict(base, num_blocks=blocks_of[name], num_layers=len(layers))
+        if w is not None:  # keep the last w - 1 tokens before each step (>= 1 for the policy)
+            kw["streaming"] = StreamingLLM(sink_tokens=0, window_tokens=max(w - 1, 1))
+        caches[name] = PagedKVCache(**kw)
+    if streaming is not None:
         _install_rotary_gate(model)
-    paged = PagedKVCache(**kwargs)
     register()
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
-    return PagedCache(paged, num_layers)
+    return PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
 
 
-def _num_blocks_of(num_blocks, kv_cache_bytes, block_size, num_kv_heads, head_dim, num_layers,
-                   dtype, kv_dtype) -> int:
-    """``num_blocks``, or as many blocks as ``kv_cache_bytes`` holds."""
-    geometry = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=num_layers,
-                    dtype=dtype)
-    return resolve_num_blocks(num_blocks, kv_cache_bytes, block_size, geometry, kv_dtype)
+def layer_groups(model) -> dict:
+    """{group name: layer indices} that ``paged_cache(model, ...)`` would build."""
+    windows = layer_windows(model.config.get_text_config(decoder=True))
+    out: dict = {}
+    for i, w in enumerate(windows):
+        out.setdefault(_group_name(w, windows), []).append(i)
+    return out
+
+
+def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,
+                      dtype, kv_dtype) -> dict:
+    """{group: blocks} from ``kv_cache_bytes``, split across the groups by their layers (so
+    every group gets the same number of blocks); TypeError without a budget or with both."""
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or
+                                       not isinstance(kv_cache_bytes, (int, np.integer))):
+        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
+    total_layers = sum(len(layers) for _, layers in groups.values())
+    out = {}
+    for name, (_, layers) in groups.items():
+        geometry = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=len(layers),
+                        dtype=dtype)
+        share = None if kv_cache_bytes is None else \
+            int(kv_cache_bytes) * len(layers) // total_layers
+        out[name] = resolve_num_blocks(num_blocks, share, block_size, geometry, kv_dtype)
+    return out
 
 
 class _Rows:
@@ -159,8 +263,10 @@ class _Rows:
     that ``crop`` can map a stream length to a stored length.
     """
 
-    def __init__(self, paged: PagedKVCache):
+    def __init__(self, paged: PagedKVCache, window: Optional[int] = None, name: str = FULL):
         self.paged = paged
+        self.window = window  # sliding window of the group's layers (None: full attention)
+        self.name = name
         self.sids: Optional[List[int]] = None
         self.sid_array: Optional[np.ndarray] = None
         self.skipped: List[List[int]] = []
@@ -218,19 +324,30 @@ class _Rows:
                 self.paged.free(s)
         self._set(new_sids, [list(self.skipped[r]) for r in rows])
 
-    def crop(self, new_len: int) -> None:
-        """Keep the first ``new_len`` stream positions of every row."""
+    def plan_crop(self, new_len: int) -> list:
+        """Check a crop to ``new_len`` stream positions; returns its plan (changes nothing)."""
         if self.sids is None:
-            return
+            return []
         keep = []
         for b, s in enumerate(self.sids):
             skipped = [p for p in self.skipped[b] if p < new_len]
-            keep.append((new_len - len(skipped), skipped))
+            stored = new_len - len(skipped)  # tokens the row keeps, counted from its first
+            kept = self.paged.kept_positions(s)
+            first = int(kept[0]) if len(kept) else 0  # tokens a sliding group dropped
+            if first > 0 and first > stored - (self.window - 1):
+                raise ValueError(
+                    f"cannot crop to {new_len} positions: the {self.name!r} layers keep only "
+                    f"their last {self.window - 1} tokens and those before position {first} "
+                    "of a row are gone")
+            keep.append((stored - first, skipped))
         for (length, _), s in zip(keep, self.sids):
             if length > self.paged.seq_len(s):
                 raise ValueError(f"cannot crop to {new_len} positions: a row holds only "
                                  f"{self.paged.seq_len(s)} tokens")
-        for (length, skipped), s, b in zip(keep, self.sids, range(len(self.sids))):
+        return keep
+
+    def apply_crop(self, keep: list) -> None:
+        for (length, skipped), s, b in zip(keep, self.sids or [], range(len(keep))):
             self.paged.truncate(s, length)
             self.skipped[b] = skipped
 
@@ -253,17 +370,20 @@ class PagedLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, rows: _Rows, layer_idx: int):
+    def __init__(self, rows: _Rows, layer_idx: int, local_idx: Optional[int] = None):
         super().__init__()
         self.rows = rows
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # the model's layer
+        self.local_idx = layer_idx if local_idx is None else local_idx  # in its group's cache
+        self.window = rows.window
+        self.is_sliding = rows.window is not None
         self.seen = 0  # stream positions so far, padding included (transformers' length)
         self.pending = None
         self.is_initialized = True
 
     @property
     def is_croppable(self) -> bool:
-        return self.rows.paged.streaming is None
+        return self.rows.paged.streaming is None or self.window is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
@@ -292,7 +412,8 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def attend(self, query, attention_mask, scaling) -> "torch.Tensor":
+    def attend(self, query, attention_mask, scaling, window=None, softcap=None,
+               sinks=None) -> "torch.Tensor":
         key, value = self.pending
         self.pending = None
         paged, rows = self.rows.paged, self.rows
@@ -305,7 +426,8 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"queries {tuple(query.shape)} and the pending keys "
                              f"{tuple(key.shape)} disagree in batch or length")
         real = _real_tokens(attention_mask, B, T)
-        layer = self.layer_idx
+        layer = self.local_idx
+        opts = dict(window=window, softcap=softcap, sinks=sinks)
         q = _numpy(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
         k = _numpy(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
         v = _numpy(value).transpose(0, 2, 1, 3)
@@ -314,7 +436,8 @@ class PagedLayer(CacheLayerMixin):
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
             self.seen += 1
-            paged.attend_batch(rows.sid_array, q[:, 0], layer=layer, scale=scaling, out=o[:, 0])
+            paged.attend_batch(rows.sid_array, q[:, 0], layer=layer, scale=scaling, out=o[:, 0],
+                               **opts)
             return out
         # every row's tokens first; if one row's append fails on layer 0, the rows before it
         # are truncated back, so the cache is unchanged (not under StreamingLLM: an append
@@ -341,11 +464,12 @@ class PagedLayer(CacheLayerMixin):
         self.seen += T
         for b, sid in enumerate(rows.sids):
             if real is None:
-                paged.attend(sid, q[b], layer=layer, scale=scaling, out=o[b])
+                paged.attend(sid, q[b], layer=layer, scale=scaling, out=o[b], **opts)
                 continue
             o[b] = 0.0
             if real[b].any():
-                o[b][real[b]] = paged.attend(sid, q[b][real[b]], layer=layer, scale=scaling)
+                o[b][real[b]] = paged.attend(sid, q[b][real[b]], layer=layer, scale=scaling,
+                                             **opts)
         return out
 
 
@@ -361,8 +485,9 @@ def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
     """Which of the T new tokens of each row are real, [B, T] bool, or None when all are.
 
     ``mask`` is the "pagedkv" (= sdpa) boolean mask [B, 1, Tq, kv_len] or None (causal, no
-    padding).  Its last query row allows every real key up to the newest token, so its last T
-    columns name the real new tokens.  Only causal masks with key padding are supported.
+    padding).  A real query sees itself and a padding query sees nothing, so the diagonal of
+    the new tokens' block (the last T columns) names the real new tokens, whatever the window.
+    Only causal masks with key padding are supported.
     """
     if mask is None:
         return None
@@ -373,10 +498,11 @@ def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
                         f"{tuple(getattr(mask, 'shape', ()))}")
     if mask.shape[-1] < T:
         raise ValueError(f"the mask covers {mask.shape[-1]} keys, fewer than the {T} new tokens")
-    last = mask[:, 0, -1, mask.shape[-1] - T:]
-    if bool(last.all()):
+    new = mask[:, 0, -T:, mask.shape[-1] - T:]
+    diag = torch.diagonal(new, dim1=-2, dim2=-1)  # [B or 1, T]
+    if bool(diag.all()):
         return None
-    return last.expand(B, T).numpy().copy()
+    return diag.expand(B, T).numpy().copy()
 
 
 def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -391,55 +517,123 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
     if step is not None:  # a ContinuousBatcher step (pagedkv/integrations/batching.py)
         return step.attend(module, query, key, value, scaling, dict(kwargs, dropout=dropout)), None
     layer = getattr(key, _LINK, None)
+    softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
     if layer is None:
+        if softcap is not None or s_aux is not None:  # sdpa has neither: the model's eager
+            eager = getattr(importlib.import_module(type(module).__module__),
+                            "eager_attention_forward", None)
+            if eager is None:
+                raise NotImplementedError(f"{type(module).__name__} uses softcap / s_aux and "
+                                          "has no eager_attention_forward to fall back on")
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+                # the "pagedkv" mask is sdpa's boolean one; eager adds a float mask
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min)
+            return eager(module, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    for name in ("sliding_window", "softcap", "s_aux"):
+    window = kwargs.get("sliding_window")
+    if window is not None and window != layer.window:
+        raise NotImplementedError(
+            f"layer {layer.layer_idx} attends with sliding_window={window} but its pagedkv group "
+            f"was built for {layer.window}; pass the model whose config made the cache")
+    if window is None and layer.window is not None:
+        raise NotImplementedError(
+            f"layer {layer.layer_idx} attends without a sliding window but the config names it "
+            "a sliding-window layer")
+    for name in ("attention_chunk_size", "alibi_slopes"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the pagedkv attention does not support {name}")
     if dropout:
         raise NotImplementedError("the pagedkv attention is for inference: dropout must be 0 "
                                   "(call model.eval())")
-    return layer.attend(query, attention_mask, scaling), None
+    sinks = None
+    if s_aux is not None:
+        sinks = s_aux.detach().to(torch.float64).reshape(-1).numpy()
+    return layer.attend(query, attention_mask, scaling, window=window, softcap=softcap,
+                        sinks=sinks), None
 
 
 class PagedCache(Cache):
-    """A ``transformers.Cache`` whose K/V live in a ``PagedKVCache`` (``self.paged``).
+    """A ``transformers.Cache`` whose K/V live in pagedkv caches, one per layer group.
 
-    Build it with ``paged_cache(model, ...)``.  One sequence per batch row; all layers in
-    one pool.  Row operations map onto fork / truncate / free (see the module docstring).
+    Build it with ``paged_cache(model, ...)``.  One sequence per batch row in each group;
+    a group's layers share its pool.  Row operations map onto fork / truncate / free in every
+    group (see the module docstring).
     """
 
-    def __init__(self, paged: PagedKVCache, num_layers: int):
-        self.rows = _Rows(paged)
-        super().__init__(layers=[PagedLayer(self.rows, i) for i in range(num_layers)])
+    def __init__(self, caches, group_layers=None, windows=None):
+        if isinstance(caches, PagedKVCache):  # one group of num_layers full-attention layers
+            n = int(group_layers)
+            caches, group_layers, windows = {FULL: caches}, {FULL: list(range(n))}, [None] * n
+        self.group_rows = {name: _Rows(c, windows[group_layers[name][0]], name)
+                           for name, c in caches.items()}
+        layers: List[Optional[PagedLayer]] = [None] * len(windows)
+        for name, idx in group_layers.items():
+            for local, i in enumerate(idx):
+                layers[i] = PagedLayer(self.group_rows[name], i, local)
+        self.rows = next(iter(self.group_rows.values()))
+        super().__init__(layers=layers)
+
+    @property
+    def groups(self) -> dict:
+        """{group name: PagedKVCache}: "full_attention", "sliding_attention"."""
+        return {name: r.paged for name, r in self.group_rows.items()}
 
     @property
     def paged(self) -> PagedKVCache:
+        """The PagedKVCache of a model with one layer group (see ``groups`` otherwise)."""
+        if len(self.group_rows) != 1:
+            raise AttributeError(f"this model's layers form {len(self.group_rows)} groups "
+                                 f"({', '.join(self.group_rows)}), each with its own "
+                                 "PagedKVCache: use cache.groups[name]")
         return self.rows.paged
 
     @property
     def streaming(self) -> Optional[StreamingLLM]:
-        return self.rows.paged.streaming
+        """The StreamingLLM policy given to ``paged_cache`` (None without)."""
+        if len(self.group_rows) == 1 and self.rows.window is None:
+            return self.rows.paged.streaming
+        return None
 
     @property
     def sequence_ids(self) -> List[int]:
-        """The PagedKVCache sequence id of each batch row (empty before the first forward)."""
+        """The PagedKVCache sequence id of each batch row (one group; empty before the first
+        forward); ``group_sequence_ids`` for every group."""
+        self.paged  # noqa: B018 - raises for several groups
         return list(self.rows.sids or [])
 
+    @property
+    def group_sequence_ids(self) -> dict:
+        """{group name: the sequence id of each batch row in that group's cache}."""
+        return {name: list(r.sids or []) for name, r in self.group_rows.items()}
+
+    def stats(self) -> dict:
+        """{group name: CacheStats} (blocks, tokens, ... of each group's pool)."""
+        return {name: r.paged.stats() for name, r in self.group_rows.items()}
+
+    def _each(self, fn) -> None:
+        for r in self.group_rows.values():
+            fn(r)
+
     def reorder_cache(self, beam_idx) -> None:
-        self.rows.select(_index_list(beam_idx))
+        rows = _index_list(beam_idx)
+        self._each(lambda r: r.select(rows))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.rows.sids is not None:
-            self.rows.select([r for r in range(len(self.rows.sids)) for _ in range(int(repeats))])
+            rows = [r for r in range(len(self.rows.sids)) for _ in range(int(repeats))]
+            self._each(lambda r: r.select(rows))
 
     def batch_select_indices(self, indices) -> None:
-        self.rows.select(_index_list(indices))
+        rows = _index_list(indices)
+        self._each(lambda r: r.select(rows))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` positions (transformers 5 convention:
-        a negative count, or 0)."""
+        a negative count, or 0).  A sliding-window group can roll back only as far as it
+        still holds the window the next token needs (ValueError otherwise, nothing changed)."""
         n = int(tokens_to_remove)
         if n > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {n}")
@@ -449,14 +643,16 @@ class PagedCache(Cache):
             raise ValueError("a StreamingLLM cache cannot be cropped: evicted tokens are gone")
         seen = self.layers[0].seen
         new_len = max(seen + n, 0)
-        self.rows.crop(new_len)
+        plans = [(r, r.plan_crop(new_len)) for r in self.group_rows.values()]  # all or nothing
+        for r, keep in plans:
+            r.apply_crop(keep)
         for layer in self.layers:
             layer.seen = new_len
             layer.pending = None
 
     def reset(self) -> None:
-        """Free every row's sequence; the cache starts over (same pool)."""
-        self.rows.release()
+        """Free every row's sequence; the cache starts over (same pools)."""
+        self._each(lambda r: r.release())
         for layer in self.layers:
             layer.seen = 0
             layer.pending = None

@@ -4,7 +4,9 @@
  * Covered: token writes into the pool (checked byte for byte against the
  * documented layout, untouched bytes included), reads back, the sequence
  * check, the vector exp, paged decode and causal prefill with and without
- * RoPE, over random shapes: block sizes 1..64, head_dim odd and even, GQA
+ * RoPE, each with and without a sliding window, logit softcapping and
+ * learned sinks (in random combination), over random shapes: block sizes
+ * 1..64, head_dim odd and even, GQA
  * ratios, 1..3 layers, lengths ending mid-block, StreamingLLM segments (a gap
  * of evicted slots), 1 and 2 threads (split-K included).  Unwritten and
  * evicted slots and the output hold NaN before a call, so a kernel that reads
@@ -386,11 +388,18 @@ static double *ref_keys(const config *c, int s, int layer) {
     return k;
 }
 
+/* attention options of one check (0 / NULL: off) */
+typedef struct {
+    int64_t window;
+    double softcap;
+    double *sinks; /* [hq] */
+} opts_t;
+
 /* out [hq][d] for query q [hq][d] (at element qoff) of sequence s at rank
- * lim (sees ranks 0..lim) with keys k from ref_keys; *vmax = max |v| over
- * what it reads */
+ * lim (sees ranks 0..lim, or (lim - window, lim]) with keys k from ref_keys;
+ * *vmax = max |v| over what it reads */
 static void ref_one(const config *c, int s, int layer, const double *k, const void *q, size_t qoff,
-                    int64_t lim, double scale, double *out, double *vmax) {
+                    int64_t lim, double scale, const opts_t *o, double *out, double *vmax) {
     const int d = c->d, gsz = c->hq / c->hkv;
     const size_t tok = (size_t)c->hkv * d, base = (size_t)layer * held_of(c, s) * tok;
     double *qv = malloc(sizeof(double) * d);
@@ -400,17 +409,20 @@ static void ref_one(const config *c, int s, int layer, const double *k, const vo
         for (int j = 0; j < d; j++) qv[j] = get(q, qoff + (size_t)h * d + j, c->dt);
         if (c->rope_half) ref_rope(c, qv, lim);
         double mx = -INFINITY;
-        for (int64_t r = 0; r <= lim; r++) {
+        const int64_t lo = o->window > 0 && lim - o->window + 1 > 0 ? lim - o->window + 1 : 0;
+        for (int64_t r = lo; r <= lim; r++) {
             const double *kv = k + (size_t)r * tok + (size_t)kh * d;
             double sc = 0;
             for (int j = 0; j < d; j++) sc += qv[j] * kv[j];
             p[r] = sc * scale;
+            if (o->softcap > 0) p[r] = o->softcap * tanh(p[r] / o->softcap);
             if (p[r] > mx) mx = p[r];
         }
-        double sum = 0;
-        for (int64_t r = 0; r <= lim; r++) sum += p[r] = exp(p[r] - mx);
+        if (o->sinks && o->sinks[h] > mx) mx = o->sinks[h];
+        double sum = o->sinks ? exp(o->sinks[h] - mx) : 0;
+        for (int64_t r = lo; r <= lim; r++) sum += p[r] = exp(p[r] - mx);
         for (int j = 0; j < d; j++) out[(size_t)h * d + j] = 0;
-        for (int64_t r = 0; r <= lim; r++) {
+        for (int64_t r = lo; r <= lim; r++) {
             const size_t vo = base + (size_t)r * tok + (size_t)kh * d;
             for (int j = 0; j < d; j++) {
                 const double vv = get(c->vref[s], vo + j, c->dt);
@@ -535,6 +547,16 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     const int layer = rnd_int(0, c->layers - 1);
     const double scale = rnd_int(0, 1) ? 1.0 / sqrt((double)d) : 0.05 + rnd_unif();
     const int max_threads = pkv_have_openmp() ? 2 : 1;
+    /* options: a sliding window, softcapping, learned sinks, each in half the checks */
+    opts_t o = {0, 0.0, NULL};
+    int64_t held_max = 1;
+    for (int s = 0; s < c->nseq; s++)
+        if (held_of(c, s) > held_max) held_max = held_of(c, s);
+    if (rnd_int(0, 1)) o.window = rnd_int(1, (int)held_max + 2);
+    if (rnd_int(0, 1)) o.softcap = 0.2 + 10 * rnd_unif();
+    double *sinks = malloc(sizeof(double) * c->hq);
+    for (int h = 0; h < c->hq; h++) sinks[h] = 2 * rnd_normal();
+    if (rnd_int(0, 1)) o.sinks = sinks;
 
     /* references */
     void *qd = xalloc((size_t)c->nseq * row * c->item);
@@ -543,7 +565,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     double vmaxd = 0;
     for (int s = 0; s < c->nseq; s++) {
         double *k = ref_keys(c, s, layer);
-        ref_one(c, s, layer, k, qd, (size_t)s * row, held_of(c, s) - 1, scale, refd + (size_t)s * row, &vmaxd);
+        ref_one(c, s, layer, k, qd, (size_t)s * row, held_of(c, s) - 1, scale, &o, refd + (size_t)s * row, &vmaxd);
         free(k);
     }
     const int ps = rnd_int(0, c->nseq - 1); /* prefill: one sequence */
@@ -556,7 +578,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     double vmaxp = 0;
     double *kp = ref_keys(c, ps, layer);
     for (int64_t i = 0; i < nq; i++)
-        ref_one(c, ps, layer, kp, qp, (size_t)i * row, held - nq + i, scale, refp + (size_t)i * row, &vmaxp);
+        ref_one(c, ps, layer, kp, qp, (size_t)i * row, held - nq + i, scale, &o, refp + (size_t)i * row, &vmaxp);
 
     free(kp);
     const size_t stride = pkv_scratch_bytes(c->bs, d, c->item);
@@ -573,15 +595,19 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
         for (int nt = 1; nt <= max_threads; nt++) {
             pkv_attn_args a;
             fill_args(c, &a, layer, qd, out, scale, nt, scratch, stride, partial, partial_slots, &rope);
+            a.window = o.window;
+            a.softcap = o.softcap;
+            a.sinks = o.sinks;
             a.nseq = c->nseq;
             a.nq = 1;
             a.plan_out = plan;
             memset(out, 0xFF, (size_t)c->nseq * row * c->item);
             kern->decode(&a);
             double w = compare(c, out, 0, refd, (size_t)c->nseq * row, vmaxd);
-            CHECK(isfinite(w), "decode %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nseq=%d rope=%d split=%lld",
+            CHECK(isfinite(w), "decode %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nseq=%d rope=%d split=%lld "
+                  "window=%lld softcap=%g sinks=%d",
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, c->nseq,
-                  c->rope_half, (long long)plan[2]);
+                  c->rope_half, (long long)plan[2], (long long)o.window, o.softcap, o.sinks != NULL);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->threaded += plan[0] > 1;
             t->split += plan[2] > 1;
@@ -591,14 +617,18 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
             one.tables = c->tables + ps;
             one.segs = c->segs + ps;
             fill_args(&one, &a, layer, qp, out, scale, nt, scratch, stride, partial, partial_slots, &rope);
+            a.window = o.window;
+            a.softcap = o.softcap;
+            a.sinks = o.sinks;
             a.nseq = 1;
             a.nq = nq;
             memset(out, 0xFF, (size_t)nq * row * c->item);
             kern->prefill(&a);
             w = compare(c, out, 0, refp, (size_t)nq * row, vmaxp);
-            CHECK(isfinite(w), "prefill %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nq=%lld held=%lld rope=%d",
+            CHECK(isfinite(w), "prefill %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nq=%lld held=%lld rope=%d "
+                  "window=%lld softcap=%g sinks=%d",
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, (long long)nq,
-                  (long long)held, c->rope_half);
+                  (long long)held, c->rope_half, (long long)o.window, o.softcap, o.sinks != NULL);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->cases[simd] += 2;
             if (dt == PKV_F32 && nt == 1) {
@@ -608,6 +638,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
             }
         }
     }
+    free(sinks);
     free(qd);
     free(refd);
     free(qp);
