@@ -8,10 +8,12 @@ f32 weights:
 * "1b-layers": a Llama-3.2-1B-shaped layer stack, two layers (per-layer ratios): hidden
   2048, 32 query heads, 8 KV heads, head_dim 64, MLP 8192, vocabulary 512.  Contexts 512 and
   4,096 by default, 16,384 with ``--long`` (its prefills take minutes on a small machine).
+* "1b-layers-bf16": the same layer stack with bfloat16 weights (no ``model.float()``): pagedkv
+  gets the model's 16-bit tensors as they are; DynamicCache + sdpa runs in bfloat16 too.
 * "h1024" (only with ``--hf-models h1024``): hidden 1024, 4 layers, 16 query heads, 4 KV
   heads, head_dim 64, MLP 4096.
 
-pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in f32.  For each
+pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in the model's dtype.  For each
 context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
 (``prefill_rounds`` times, median: time to first token without the last token's forward);
 then every round runs ``generate(prompt, max_new_tokens=N)`` greedily on each cache,
@@ -39,13 +41,18 @@ MODELS = {
     "1b-layers": dict(vocab_size=512, hidden_size=2048, intermediate_size=8192,
                       num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=64),
+    "1b-layers-bf16": dict(vocab_size=512, hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=64),
     # opt-in (--hf-models): a mid-sized Llama, 4 layers
     "h1024": dict(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                   num_attention_heads=16, num_key_value_heads=4, head_dim=64),
 }
-DEFAULT_MODELS = ("small", "1b-layers")
-CONTEXTS = {"small": (512, 4096, 16384), "1b-layers": (512, 4096), "h1024": (512, 4096)}
-LONG_CONTEXTS = {"1b-layers": (16384,)}
+BF16_WEIGHTS = ("1b-layers-bf16",)  # models run in bfloat16 (the others in float32)
+DEFAULT_MODELS = ("small", "1b-layers", "1b-layers-bf16")
+CONTEXTS = {"small": (512, 4096, 16384), "1b-layers": (512, 4096), "1b-layers-bf16": (512, 4096),
+            "h1024": (512, 4096)}
+LONG_CONTEXTS = {"1b-layers": (16384,), "1b-layers-bf16": (16384,)}
 STORAGE = ("float32", "bfloat16")
 DYN = "dynamic-sdpa"
 
@@ -99,7 +106,8 @@ def run(settings: Settings) -> List[dict]:
         torch.manual_seed(0)
         cfg = LlamaConfig(max_position_embeddings=max_ctx + NEW_TOKENS, pad_token_id=0,
                           eos_token_id=None, bos_token_id=None, **MODELS[name])
-        return LlamaForCausalLM(cfg).eval()
+        m = LlamaForCausalLM(cfg).eval()
+        return m.to(torch.bfloat16) if name in BF16_WEIGHTS else m
 
     recs = []
     pair = {}
@@ -120,7 +128,8 @@ def run(settings: Settings) -> List[dict]:
             def fresh(impl):
                 if impl == DYN:
                     return base, DynamicCache(config=base.config)
-                kv = "bfloat16" if impl.endswith("bfloat16") else None
+                # f32 / bf16 storage (a bf16 model's default storage is bf16)
+                kv = "bfloat16" if impl.endswith("bfloat16") else "float32"
                 return ours, paged_cache(ours, num_blocks=nblk, block_size=BLOCK_SIZE,
                                          kv_dtype=kv)
 
@@ -183,11 +192,12 @@ def report(settings: Settings, recs: List[dict]) -> str:
         return "transformers generate: skipped (pip install 'pagedkv[hf]')"
     r0 = recs[0]
     head = (f"transformers generate, greedy, {r0['new_tokens']} new tokens after a prefilled "
-            f"context; random Llama-shaped models, f32 weights, {r0['threads']} thread(s); "
+            f"context; random Llama-shaped models, {r0['threads']} thread(s); "
             "small = hidden 256, 2 layers, Hq=8 Hkv=4 D=64; 1b-layers = 2 layers of "
-            "Llama-3.2-1B (hidden 2048, Hq=32 Hkv=8 D=64, MLP 8192); h1024 = hidden 1024, "
+            "Llama-3.2-1B (hidden 2048, Hq=32 Hkv=8 D=64, MLP 8192; -bf16: bfloat16 weights, "
+            "DynamicCache in bfloat16 too); h1024 = hidden 1024, "
             "4 layers, Hq=16 Hkv=4 D=64, MLP 4096.  pagedkv f32 / bf16 "
-            "storage vs DynamicCache + sdpa (f32).  Decode ratio = DynamicCache time / pagedkv "
+            "storage vs DynamicCache + sdpa.  Decode ratio = DynamicCache time / pagedkv "
             "time, median of paired rounds; prefill = the L-1 prompt tokens in one forward "
             "(median), ratio > 1: pagedkv faster")
     rows = []

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf suite: also 16,384-token contexts for the Llama-3.2-1B-shaped layers "
                         "(minutes)")
     p.add_argument("--hf-models", default=None, metavar="LIST",
-                   help="hf suite: models, of small, 1b-layers, h1024 (default small,1b-layers)")
+                   help="hf suite: models, of small, 1b-layers, 1b-layers-bf16, h1024 "
+                        "(default small,1b-layers,1b-layers-bf16)")
     # test-only: minute shapes so that the whole pipeline runs in seconds
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
