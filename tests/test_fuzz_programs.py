@@ -1,6 +1,6 @@
 """The fuzz harness's programs in every test run: the saved regressions (inputs that once failed,
-tests/fuzz/regressions/) and a bounded number of random byte strings (PAGEDKV_TEST_PROFILE=long:
-50 times as many)."""
+tests/fuzz/regressions/) and a bounded number of random byte strings (1,200; PAGEDKV_TEST_PROFILE=long:
+40,000)."""
 import os
 
 import numpy as np
@@ -25,7 +25,7 @@ def test_saved_regression(name):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_programs(seed):
     rng = np.random.default_rng(seed)
-    for _ in range(depth(40, 2000)):
+    for _ in range(depth(150, 5000)):
         run_program(rng.integers(0, 256, size=int(rng.integers(1, 400)), dtype=np.uint8).tobytes())
 
 
