@@ -5,7 +5,8 @@
     tools/fuzz.sh --replay CORPUS_DIR             # what it kept, under ASan + UBSan
 
 Coverage comes from the library's Python layer (pagedkv/*.py, instrumented by atheris; the Cython
-core is built by GCC, which atheris cannot instrument).  A failure is an exception outside the
+core is built by GCC, which atheris cannot instrument) and from program.FEEDBACK: each call's
+(previous call, call, outcome, shape of the sequence it named) counts as a branch of its own.  A failure is an exception outside the
 documented ones, a raised call that changed the cache, broken block accounting, or (on replay) a
 sanitizer report; save the crashing input under tests/fuzz/regressions/
 (tests/test_fuzz_programs.py runs them all).
@@ -26,6 +27,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 with atheris.instrument_imports(include=["pagedkv"]):
     import pagedkv  # noqa: F401
 import program  # noqa: E402
+
+#: extra coverage counters for program.FEEDBACK's features (hashed into this many)
+FEATURES = 1 << 14
+_COUNTERS = [atheris._reserve_counter() for _ in range(FEATURES)]
+
+
+def _feedback(f, _counters=_COUNTERS, _trace=atheris._trace_branch):
+    _trace(_counters[(f * 0x9E3779B1 >> 7) % FEATURES])
+
+
+program.FEEDBACK = _feedback
 
 
 def _argv():

@@ -71,6 +71,15 @@ OPS = (["add"] * 3 + ["append"] * 5 + ["append_batch"] * 2 + ["attend"] * 2
 READ_ONLY = {"attend", "attend_batch", "gather", "query", "save"}
 #: (operation, "ok" or the exception's name) -> calls, over every program run in this process
 OUTCOMES = collections.Counter()
+#: the coverage-guided search sets this to a callable taking a feature number (fuzz_cache.py):
+#: what each call did and the shape of the sequence it named, as extra coverage (the core,
+#: compiled by GCC, has none of its own)
+FEEDBACK = None
+_OP_INDEX = {name: i for i, name in enumerate(sorted(set(OPS)))}
+_OUTCOME_INDEX = {name: i for i, name in enumerate(
+    ["ok", "KeyError", "ValueError", "TypeError", "RuntimeError", "MemoryError",
+     "OutOfBlocksError", "CacheFileError", "OverflowError", "FileNotFoundError",
+     "IsADirectoryError", "NotADirectoryError", "PermissionError", "OSError"])}
 
 
 class Bytes:
@@ -377,6 +386,7 @@ class Runner:
             kw["eviction_strategy"] = b.pick(["lru", "lfu", "longest", "priority"])
         self.cache = pagedkv.PagedKVCache(**kw)
         self.live, self.freed = [], []
+        self.target, self.prev = None, 0
         self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
         self.saved = {}         # path -> (file bytes, the saved sequence's contents)
         self.block_bytes = {}   # (block, generation) -> bytes of a registered block, when seen
@@ -511,7 +521,7 @@ class Runner:
 
     def _call(self, name):
         b, c = self.b, self.cache
-        sid = _sid(b, self.live, self.freed)
+        sid = self.target = _sid(b, self.live, self.freed)
         layer = _hostile_int(b, b.int(0, self.layers - 1))
         n = b.int(1, 2 * self.bs + 1)
         hq = self.hkv * self.g
@@ -925,6 +935,24 @@ class Runner:
             [[0.0]],
         ])
 
+    def feature(self, name, outcome):
+        """A number for (previous call, this call, its outcome, the shape of the sequence it
+        named): segments held, a partial last block, a step not yet written on every layer, a
+        shared last block, or no such sequence."""
+        c, sid, shape = self.cache, self.target, 0
+        if type(sid) is int and sid in c:
+            core = c._core
+            g = core.debug_state(sid)
+            length = g["b1"] - g["b0"] + g["a1"] - g["a0"]
+            table = g["table"]
+            shape = (1 | (g["a1"] > g["a0"]) << 1 | (g["b1"] > g["b0"]) << 2
+                     | (length % self.bs != 0) << 3 | (core.written_tokens(sid) < length) << 4
+                     | (bool(table) and core.ref_count(table[-1]) > 1) << 5)
+        op = _OP_INDEX[name]
+        f = ((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape
+        self.prev = op
+        return f
+
     def run(self):
         """Up to MAX_OPS calls.  The snapshot after a call is the next call's `before`; the
         invariants run after every call that changed the snapshot or the internals they read
@@ -941,13 +969,15 @@ class Runner:
                 with np.errstate(all="ignore"):
                     call()
                 OUTCOMES[name, "ok"] += 1
+                outcome = "ok"
                 after = self.snapshot()
                 if name in READ_ONLY and after != state:
                     raise AssertionError(f"a successful {name} changed the cache")
                 if self.rewrites:
                     self.rewritten()
             except self.allowed as e:
-                OUTCOMES[name, type(e).__name__] += 1
+                outcome = type(e).__name__
+                OUTCOMES[name, outcome] += 1
                 after, before = self.snapshot(), self.before
                 evicted = self.evicted_during(name, e, log_before)
                 if evicted and self.only_evicted(before, after, evicted):
@@ -958,6 +988,8 @@ class Runner:
                                          f"cache ({', '.join(diff)})") from e
                 if self.on_fail is not None:
                     self.on_fail()
+            if FEEDBACK is not None:
+                FEEDBACK(self.feature(name, outcome))
             now = self.internals()
             if after != state or now != inner:
                 self.ids()
