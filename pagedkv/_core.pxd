@@ -73,6 +73,7 @@ cdef extern from "pagedkv/attention.h" nogil:
         const pkv_segs *segs
         const void *q
         void *out
+        int qo16
         int64_t nq
         double scale
         const pkv_rope *rope

@@ -12,6 +12,7 @@
 Policy (which sequences to evict, StreamingLLM sizes, statistics objects)
 lives in the Python layer.
 """
+import importlib
 import os
 
 import numpy as np
@@ -140,41 +141,59 @@ cdef void *_zalloc(size_t n, void **raw) except NULL:
     return p
 
 
-cdef dict _DTYPES = {"float32": PKV_F32, "float64": PKV_F64}
-
-
-def _dtype_code(dtype):
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        raise TypeError(f"dtype must be 'float32' or 'float64', got {dtype!r}") from None
-    if name not in _DTYPES:
-        raise TypeError(f"dtype must be 'float32' or 'float64', got {name!r}")
-    return _DTYPES[name]
-
-
 cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
                         "float16": PKV_F16, "int8": PKV_I8}
 _KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
 _KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
+_DTYPE_CHOICES = "'float32', 'float64', 'bfloat16' or 'float16'"
 
 
-def _kv_dtype_code(kv_dtype, int compute):
-    """Storage code for kv_dtype (None: the compute dtype)."""
-    if kv_dtype is None:
-        return compute
-    name = kv_dtype if isinstance(kv_dtype, str) else None
+def _code_of(value, str what, str choices, bint arrays):
+    """The pkv_dtype code of a dtype given by name or NumPy dtype; arrays: not int8."""
+    name = value if isinstance(value, str) else None
     if name is None:
         try:
-            name = np.dtype(kv_dtype).name
+            name = np.dtype(value).name
         except TypeError:
-            raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {kv_dtype!r}") from None
-    if name not in _KV_DTYPES:
-        raise TypeError(f"kv_dtype must be {_KV_CHOICES}, got {name!r}")
-    code = _KV_DTYPES[name]
-    if code == PKV_F64 and compute == PKV_F32:
+            raise TypeError(f"{what} must be {choices}, got {value!r}") from None
+    if name not in _KV_DTYPES or (arrays and name == "int8"):
+        raise TypeError(f"{what} must be {choices}, got {name!r}")
+    return _KV_DTYPES[name]
+
+
+def _dtype_code(dtype):
+    """Code of the arrays' dtype (float32, float64, bfloat16, float16)."""
+    return _code_of(dtype, "dtype", _DTYPE_CHOICES, True)
+
+
+def _array_dtype(int code, bint raw16):
+    """The NumPy dtype of the arrays a cache of dtype `code` takes and returns."""
+    if code == PKV_F32:
+        return np.dtype(np.float32)
+    if code == PKV_F64:
+        return np.dtype(np.float64)
+    if raw16:
+        return np.dtype(np.uint16)
+    if code == PKV_F16:
+        return np.dtype(np.float16)
+    try:
+        ml_dtypes = importlib.import_module("ml_dtypes")
+    except ImportError:
+        raise ImportError("dtype='bfloat16' takes ml_dtypes.bfloat16 arrays: install ml_dtypes "
+                          "(pip install 'pagedkv[bf16]'), or pass raw16=True for uint16 arrays "
+                          "holding bfloat16 bit patterns") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _kv_dtype_code(kv_dtype, int io):
+    """Storage code for kv_dtype (None: the arrays' dtype `io`)."""
+    if kv_dtype is None:
+        return io
+    code = _code_of(kv_dtype, "kv_dtype", _KV_CHOICES, False)
+    if code == PKV_F64 and io != PKV_F64:
         raise ValueError("kv_dtype='float64' needs dtype='float64' (storage wider than the "
-                         "arrays in and out would only waste memory); got dtype='float32'")
+                         f"arrays in and out would only waste memory); got dtype="
+                         f"{_KV_NAMES[io]!r}")
     return code
 
 
@@ -209,10 +228,14 @@ cdef class CacheCore:
         readonly int num_layers
         readonly int64_t max_seqs
         readonly int64_t max_blocks_per_seq
-        int compute               # pkv_dtype of the arrays passed in and returned
+        int io                    # pkv_dtype of the arrays passed in and returned
+        int compute               # what the kernels accumulate in: F32 (also for 16-bit io) or F64
         int storage               # pkv_dtype of K/V in the pool
-        int typenum
-        size_t itemsize
+        readonly bint raw16       # 16-bit arrays are uint16 bit patterns
+        object np_dtype           # NumPy dtype of the arrays
+        int typenum               # ... its type number
+        size_t itemsize           # ... its item size
+        size_t csize              # item size of the compute type
         const pkv_kernels *kernels
         # StreamingLLM (cache-wide): sink/window tokens, -1 when off
         int64_t sink_tokens
@@ -250,7 +273,7 @@ cdef class CacheCore:
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
                  dtype="float32", max_seqs=256, max_blocks_per_seq=None,
-                 rope_cos=None, rope_sin=None, bint lrf=False, kv_dtype=None):
+                 rope_cos=None, rope_sin=None, bint lrf=False, kv_dtype=None, raw16=False):
         """lrf: the pool hands out its least recently freed blocks first (for
         caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
@@ -272,15 +295,24 @@ cdef class CacheCore:
                             ("num_layers", nl)):
             if value > 2**31 - 1:
                 raise ValueError(f"{name} must be < 2**31, got {value}")
-        self.compute = _dtype_code(dtype)
-        self.typenum = cnp.NPY_FLOAT32 if self.compute == PKV_F32 else cnp.NPY_FLOAT64
-        self.itemsize = 4 if self.compute == PKV_F32 else 8
-        storage = _kv_dtype_code(kv_dtype, self.compute)
+        self.io = _dtype_code(dtype)
+        if not isinstance(raw16, (bool, np.bool_)):
+            raise TypeError(f"raw16 must be a bool, got {type(raw16).__name__}")
+        if raw16 and self.io not in (PKV_BF16, PKV_F16):
+            raise ValueError(f"raw16=True is for dtype 'bfloat16' or 'float16', got "
+                             f"{_KV_NAMES[self.io]!r}")
+        self.raw16 = raw16
+        self.compute = PKV_F64 if self.io == PKV_F64 else PKV_F32
+        self.np_dtype = _array_dtype(self.io, raw16)
+        self.typenum = self.np_dtype.num
+        self.itemsize = self.np_dtype.itemsize
+        self.csize = 8 if self.compute == PKV_F64 else 4
+        storage = _kv_dtype_code(kv_dtype, self.io)
         self.storage = storage
         self.kernels = pkv_kernels_for(storage, self.compute, _simd)
         if self.kernels == NULL:
             raise ValueError(f"no kernels for kv_dtype {_KV_NAMES[storage]!r} with dtype "
-                             f"{self.dtype.name!r}")
+                             f"{self.dtype_name!r}")
         self.sink_tokens = -1
         self.window_tokens = -1
         # sizes in Python integers first: no C overflow on absurd arguments
@@ -338,14 +370,14 @@ cdef class CacheCore:
     cdef int _ensure_scratch(self, int threads) except -1:
         if threads <= self.scratch_threads:
             return 0
-        stride = pkv_scratch_bytes(self.block_size, self.head_dim, self.itemsize)
+        stride = pkv_scratch_bytes(self.block_size, self.head_dim, self.csize)
         free(self.scratch_raw)
         free(self.partial_raw)
         self.scratch_raw = NULL
         self.partial_raw = NULL
         self.scratch_threads = 0
         self.scratch = _zalloc(stride * threads, &self.scratch_raw)
-        self.partial = _zalloc(2 * threads * pkv_partial_slot_bytes(self.head_dim, self.itemsize),
+        self.partial = _zalloc(2 * threads * pkv_partial_slot_bytes(self.head_dim, self.csize),
                                &self.partial_raw)
         self.scratch_stride = stride
         self.scratch_threads = threads
@@ -360,7 +392,13 @@ cdef class CacheCore:
 
     @property
     def dtype(self):
-        return np.dtype(np.float32 if self.compute == PKV_F32 else np.float64)
+        """NumPy dtype of the arrays in and out (uint16 for raw16 caches)."""
+        return self.np_dtype
+
+    @property
+    def dtype_name(self):
+        """'float32', 'float64', 'bfloat16' or 'float16' (raw16 caches too)."""
+        return _KV_NAMES[self.io]
 
     @property
     def kv_dtype(self):
@@ -836,8 +874,7 @@ cdef class CacheCore:
             except Exception as e:
                 raise TypeError(f"{name} must be a float array, got {type(a).__name__}") from e
             arr = <cnp.ndarray>a
-        if arr.dtype.kind != "f":
-            raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {arr.dtype}")
+        self._check_kind(arr, name)
         want = f"[{d0name}, {d1}, {d2}]" if d0 < 0 else f"[{d0name}={d0}, {d1}, {d2}]"
         if arr.ndim != 3:
             raise ValueError(f"{name} must have shape {want}, got {np.ndim(arr)}-d shape {np.shape(arr)}")
@@ -845,6 +882,18 @@ cdef class CacheCore:
         if not ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1)) and dims[1] == d1 and dims[2] == d2):
             raise ValueError(f"{name} must have shape {want}, got {np.shape(arr)}")
         return self._contiguous(arr) if convert else arr
+
+    cdef int _check_kind(self, object arr, str name) except -1:
+        """Raise unless arr's dtype converts to the cache's arrays' dtype."""
+        dt = arr.dtype
+        if dt == self.np_dtype:
+            return 0
+        if self.raw16:
+            raise TypeError(f"{name} must be a uint16 array of {self.dtype_name} bit patterns "
+                            f"(the cache was made with raw16=True), got dtype {dt}")
+        if dt.kind != "f" and not (self.io == PKV_BF16 and dt.name == "bfloat16"):
+            raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {dt}")
+        return 0
 
     cdef inline object _contiguous(self, object a):
         """A checked input array as a C-contiguous array of the cache dtype."""
@@ -854,7 +903,7 @@ cdef class CacheCore:
         # ALIGNED too: np.ascontiguousarray passes an unaligned C-contiguous
         # array through (e.g. from a byte buffer at an odd offset), and the C
         # code loads whole floats
-        return np.require(a, self.dtype, ("C_CONTIGUOUS", "ALIGNED"))
+        return np.require(a, self.np_dtype, ("C_CONTIGUOUS", "ALIGNED"))
 
     cdef object _output(self, object out, int64_t n, int hq):
         cdef cnp.ndarray arr
@@ -881,8 +930,8 @@ cdef class CacheCore:
                 q = np.asarray(q)
             except Exception as e:
                 raise TypeError(f"q must be a float array, got {type(q).__name__}") from e
-        if cnp.PyArray_TYPE(q) != self.typenum and q.dtype.kind != "f":
-            raise TypeError(f"q must be a float array (float16/32/64), got dtype {q.dtype}")
+        if cnp.PyArray_TYPE(q) != self.typenum:
+            self._check_kind(q, "q")
         if cnp.PyArray_NDIM(q) != 3:
             raise ValueError(
                 f"q must have shape [{d0name}, Hq, {self.head_dim}], got shape {np.shape(q)}")
@@ -900,7 +949,7 @@ cdef class CacheCore:
     cdef inline void _write(self, Seq *s, int layer, int64_t slot0, int64_t n,
                             const char *k, const char *v) noexcept:
         pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v,
-                         self.compute)
+                         self.io)
         s.written[layer] = s.segs.b1 + s.off1
 
     cdef int _check_layer_append(self, const Seq *s, int layer, int64_t n) except -1:
@@ -1066,6 +1115,7 @@ cdef class CacheCore:
         a.segs = self.b_segs
         a.q = cnp.PyArray_DATA(q)
         a.out = cnp.PyArray_DATA(out)
+        a.qo16 = self.io if self.io != self.compute else 0
         a.scale = scale
         a.rope = &self.rope if self.has_rope else NULL
         a.scratch = self.scratch
@@ -1211,9 +1261,9 @@ cdef class CacheCore:
         cdef char *vp = <char *>cnp.PyArray_DATA(v)
         with nogil:
             pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.a0, g.a1, kp, vp,
-                            self.compute)
+                            self.io)
             pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.b0, g.b1,
-                            kp + n0 * tok, vp + n0 * tok, self.compute)
+                            kp + n0 * tok, vp + n0 * tok, self.io)
         return k, v
 
     # ------------------------------------------------------------------

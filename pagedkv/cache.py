@@ -51,13 +51,20 @@ class PagedKVCache:
         num_kv_heads: key/value heads (Hkv).
         head_dim: dimension of one head (D).
         num_layers: layers sharing the block tables.
-        dtype: "float32" or "float64": the arrays passed in and returned.
+        dtype: "float32", "float64", "bfloat16" or "float16": the arrays
+            passed in and returned.  With the 16-bit dtypes the kernels compute
+            in float32 (scores, softmax and P·V accumulate in float32) and round
+            the output once; "bfloat16" arrays are ``ml_dtypes.bfloat16`` (the
+            ``bf16`` extra) unless ``raw16=True``.
+        raw16: with dtype "bfloat16" or "float16", every array in and out is
+            ``np.uint16`` holding the 16-bit patterns (e.g. ``torch_tensor
+            .view(torch.int16).numpy()``): no ml_dtypes needed, no conversion.
         kv_dtype: how K/V are stored: None (= dtype), "float32", "float64"
             (with dtype "float64" only), "bfloat16", "float16" or "int8"
             (symmetric, one float32 scale per 32 values of a token's head
             vector).  Appends round to it (nearest, ties to even); attention
             converts on load, in the compute dtype; ``gather`` returns dtype
-            arrays.  See "Storage dtypes" in the README for the accuracy.
+            arrays.  See "Dtypes and storage formats" in the README for the accuracy.
         max_seqs: live sequences at most (metadata is preallocated).
         max_blocks_per_seq: blocks one sequence may hold (None: num_blocks).
         streaming: None or ``StreamingLLM(sink_tokens, window_tokens)``: trim
@@ -162,6 +169,7 @@ class PagedKVCache:
         on_evict: Optional[OnEvict] = None,
         prefix_caching: bool = False,
         eviction=_UNSET,
+        raw16: bool = False,
     ):
         if eviction is not _UNSET:
             warnings.warn("PagedKVCache(eviction=...) is deprecated; pass streaming=... instead",
@@ -184,13 +192,16 @@ class PagedKVCache:
             if not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
                 raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
             mbps = num_blocks if max_blocks_per_seq is None else max_blocks_per_seq
+            # the tables are in the compute dtype (float32 for the 16-bit dtypes)
+            wide = isinstance(dtype, str) and dtype == "float64" or (
+                not isinstance(dtype, str) and np.dtype(dtype) == np.float64)
             cos, sin = rope.tables(int(mbps) * int(block_size), int(head_dim),
-                                   np.dtype(dtype))
+                                   np.float64 if wide else np.float32)
         evictor_args = (eviction_strategy, eviction_threshold, on_evict)
         SequenceEvictor(None, *evictor_args)  # validates before the pool is allocated
         core = CacheCore(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
                          max_seqs, max_blocks_per_seq, cos, sin, lrf=bool(prefix_caching),
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, raw16=raw16)
         self._core = core
         self._evictor = SequenceEvictor(core, *evictor_args)
         self._prefix = PrefixCache(core) if prefix_caching else None
@@ -219,7 +230,12 @@ class PagedKVCache:
     max_seqs = property(lambda self: self._core.max_seqs, doc="Live sequences at most.")
     max_blocks_per_seq = property(lambda self: self._core.max_blocks_per_seq,
                                   doc="Blocks one sequence may hold.")
-    dtype = property(lambda self: self._core.dtype, doc="dtype of arrays in and out.")
+    dtype = property(lambda self: self._core.dtype,
+                     doc="NumPy dtype of arrays in and out (uint16 when raw16).")
+    dtype_name = property(lambda self: self._core.dtype_name,
+                          doc="'float32', 'float64', 'bfloat16' or 'float16'.")
+    raw16 = property(lambda self: self._core.raw16,
+                     doc="Whether 16-bit arrays are uint16 bit patterns.")
     kv_dtype = property(lambda self: self._core.kv_dtype,
                         doc="How K/V are stored: 'float32', 'float64', 'bfloat16', "
                             "'float16' or 'int8'.")
@@ -528,12 +544,14 @@ class PagedKVCache:
             extra += f", auto_evict={self.eviction_strategy.value!r}"
         if self._prefix is not None:
             extra += ", prefix_caching=True"
-        if core.kv_dtype != core.dtype.name:
+        if core.kv_dtype != core.dtype_name:
             extra += f", kv_dtype={core.kv_dtype}"
+        if core.raw16:
+            extra += ", raw16=True"
         return (
             f"PagedKVCache(blocks={core.num_blocks - core.num_free_blocks}/{core.num_blocks} used, "
             f"block_size={core.block_size}, kv_heads={core.num_kv_heads}, "
-            f"head_dim={core.head_dim}, layers={core.num_layers}, dtype={core.dtype.name}, "
+            f"head_dim={core.head_dim}, layers={core.num_layers}, dtype={core.dtype_name}, "
             f"sequences={len(core.sequence_ids())}{extra})"
         )
 

@@ -101,7 +101,7 @@ def config_of(cache) -> dict:
         "num_kv_heads": cache.num_kv_heads,
         "head_dim": cache.head_dim,
         "num_layers": cache.num_layers,
-        "dtype": cache.dtype.name,
+        "dtype": cache.dtype_name,
         "kv_dtype": cache.kv_dtype,
         "bytes_per_block": cache.bytes_per_block,
         "byteorder": sys.byteorder,

@@ -232,9 +232,11 @@ def test_errors(models):
     assert rows.get_seq_length() == 0 and rows.paged.num_free_blocks == 3
     with pytest.raises(TypeError, match="kv_dtype"):
         paged_cache(ours, num_blocks=8, kv_dtype="bfloat8")
-    half = LlamaForCausalLM(_config()).to(torch.bfloat16)
-    with pytest.raises(TypeError, match="float32 or float64"):
-        paged_cache(half, num_blocks=8)
+    class Int8Model:  # paged_cache reads config, device and dtype first
+        config, device, dtype = ours.config, torch.device("cpu"), torch.int8
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16 models; the "
+                                        "model is torch.int8"):
+        paged_cache(Int8Model(), num_blocks=8)
 
 
 def test_wrong_attention_is_caught(models):

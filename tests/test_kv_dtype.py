@@ -14,9 +14,6 @@ Two separate claims, tested separately:
 Every SIMD path the machine supports runs the kernel claims (in a fresh interpreter each).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -25,7 +22,7 @@ import pytest
 import pagedkv
 from reference import (KV_DTYPES, KV_TOL, KV_TOL_OUTLIER, assert_attention_close, build_random_cache, math_scale,
                        random_tokens, ref_attention, ref_stored, snapshot, assert_unchanged)
-from test_simd_paths import PKG_PARENT, SUPPORTED, TESTS_DIR
+from test_simd_paths import SUPPORTED, run_script
 from test_streaming import rope_rotate
 
 # (kv_dtype, dtype) pairs below the compute dtype
@@ -370,10 +367,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_every_simd_path_converts_exactly(backend):
-    env = dict(os.environ, PAGEDKV_SIMD=backend, PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=TESTS_DIR)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "KV-SIMD-OK" in proc.stdout
+    run_script(SCRIPT, "KV-SIMD-OK", PAGEDKV_SIMD=backend)

@@ -81,7 +81,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(env_updates):
+def run_script(script, marker, **env_updates):
+    """Run `script` in a fresh interpreter (the tests folder importable) with env_updates set
+    (e.g. PAGEDKV_SIMD=...); assert it exits 0 and prints `marker`; return its stdout."""
     env = dict(os.environ)
     env.update(env_updates)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -89,12 +91,16 @@ def _run(env_updates):
     )
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
         cwd=TESTS_DIR,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "SIMD-OK" in proc.stdout
+    assert marker in proc.stdout
     return proc.stdout
+
+
+def _run(env_updates):
+    return run_script(SCRIPT, "SIMD-OK", **env_updates)
 
 
 @pytest.mark.parametrize("backend", SUPPORTED)

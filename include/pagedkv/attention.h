@@ -95,6 +95,8 @@ typedef struct {
     const pkv_segs *segs;         /* per sequence */
     const void *q;                /* [nseq or nq][hq][d] */
     void *out;                    /* same shape as q */
+    int qo16;                     /* 0: q and out are of the compute type; PKV_BF16 or
+                                   * PKV_F16: 16-bit (compute float32, out rounded once) */
     int64_t nq;                   /* prefill: query tokens (the newest held) */
     double scale;
     const pkv_rope *rope;         /* NULL: keys and queries used as given */

@@ -171,24 +171,40 @@ static inline void FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int6
                                     int64_t *lim) {
     const int d = a->d, gsz = a->hq / a->hkv;
     const T sc = (T)a->scale;
+    const VEC scv = VSET1(sc);
     for (int hh = 0; hh < nh; hh++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < ng; g++) {
-                const T *src = (const T *)a->q +
-                               ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
+                const size_t at = ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
                 T *dst = qbuf + (((size_t)hh * nt + t) * ng + g) * d;
+                const T *src = (const T *)a->q + at;
+                if (a->qo16) { /* 16-bit queries: widen into dst, then go on from there */
+                    const uint16_t *s16 = (const uint16_t *)a->q + at;
+                    int j = 0;
+                    if (a->qo16 == PKV_BF16) {
+                        for (; j + W <= d; j += W) VSTORE(dst + j, LD_BF16(s16 + j));
+                        for (; j < d; j++) dst[j] = (T)pkv_bf16_to_f32(s16[j]);
+                    } else {
+                        for (; j + W <= d; j += W) VSTORE(dst + j, LD_F16(s16 + j));
+                        for (; j < d; j++) dst[j] = (T)pkv_f16_to_f32(s16[j]);
+                    }
+                    src = dst;
+                }
                 if (a->rope) {
                     FN(rope_one)(dst, src, a->rope, rank0 + t, d);
                     for (int j = 0; j < d; j++) dst[j] *= sc;
                 } else { /* one pass (a copy then a scale in place stalls on the copy's stores) */
-                    for (int j = 0; j < d; j++) dst[j] = src[j] * sc;
+                    int j = 0;
+                    for (; j + W <= d; j += W) VSTORE(dst + j, VMUL(VLOAD(src + j), scv));
+                    for (; j < d; j++) dst[j] = src[j] * sc;
                 }
             }
     for (int t = 0; t < nt; t++)
         for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
 }
 
-/* out rows (same layout as load_queries) = acc / l */
+/* out rows (same layout as load_queries) = acc / l, rounded once to 16 bits
+ * when the arrays are */
 static inline void FN(store_out)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
                                  int g0, int ng, const T *acc, const double *l) {
     const int d = a->d, gsz = a->hq / a->hkv;
@@ -196,10 +212,18 @@ static inline void FN(store_out)(const pkv_attn_args *a, int h0, int nh, int64_t
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < ng; g++) {
                 const size_t i = ((size_t)hh * nt + t) * ng + g;
-                T *dst = (T *)a->out +
-                         ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
+                const size_t at = ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
                 const T inv = (T)(1.0 / l[i]);
-                for (int j = 0; j < d; j++) dst[j] = acc[i * d + j] * inv;
+                if (a->qo16 == PKV_BF16) {
+                    uint16_t *dst = (uint16_t *)a->out + at;
+                    for (int j = 0; j < d; j++) dst[j] = pkv_f32_to_bf16((float)(acc[i * d + j] * inv));
+                } else if (a->qo16 == PKV_F16) {
+                    uint16_t *dst = (uint16_t *)a->out + at;
+                    for (int j = 0; j < d; j++) dst[j] = pkv_f32_to_f16((float)(acc[i * d + j] * inv));
+                } else {
+                    T *dst = (T *)a->out + at;
+                    for (int j = 0; j < d; j++) dst[j] = acc[i * d + j] * inv;
+                }
             }
 }
 

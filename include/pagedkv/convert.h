@@ -117,41 +117,62 @@ PKV_DEF_QUANT(pkv_quant_group_f32, float)
 PKV_DEF_QUANT(pkv_quant_group_f64, double)
 #undef PKV_DEF_QUANT
 
-/* Store one head vector src[d] (compute type `compute`) as the storage type
- * of g: value i at dst + i * vstride items, int8 group scale gi at
- * scales[gi * sstride].  V rows are contiguous (vstride 1); K is stored
- * transposed inside a block-head (vstride = block size; types.h). */
+/* Element i of a row of type `type` (float32, bfloat16 or float16) as a float. */
+static inline float pkv_src_f32(const char *src, int type, int i) {
+    switch (type) {
+    case PKV_BF16: return pkv_bf16_to_f32(((const uint16_t *)src)[i]);
+    case PKV_F16: return pkv_f16_to_f32(((const uint16_t *)src)[i]);
+    default: return ((const float *)src)[i];
+    }
+}
+
+/* Store one head vector src[d] of type `compute` (the arrays' type: float32,
+ * float64, bfloat16 or float16) as the storage type, the i-th value at
+ * dst[i * vstride] (K is stored transposed: vstride = block_size), int8
+ * group scales at scales[g * sstride].  Every conversion rounds once (a
+ * 16-bit value converts exactly to float32 first). */
 static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, float *scales,
                                  const char *src, size_t vstride, size_t sstride) {
     const int d = g->d;
-    const float *sf = (const float *)src;
+    const int store = (int)g->store.dtype;
     const double *sd = (const double *)src;
-    switch (g->store.dtype) {
-    case PKV_F32:
-        if (compute == PKV_F32 && vstride == 1) memcpy(dst, src, (size_t)d * 4);
-        else if (compute == PKV_F32) for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = sf[i];
-        else for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = (float)sd[i];
+    if (store == compute && store != PKV_I8) { /* same type: the bits as they are */
+        const size_t sz = g->store.itemsize;
+        if (vstride == 1) memcpy(dst, src, (size_t)d * sz);
+        else for (int i = 0; i < d; i++) memcpy(dst + (size_t)i * vstride * sz, src + (size_t)i * sz, sz);
+        return;
+    }
+    switch (store) {
+    case PKV_F32: /* from float64, bfloat16 or float16 */
+        if (compute == PKV_F64) for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = (float)sd[i];
+        else for (int i = 0; i < d; i++) ((float *)dst)[i * vstride] = pkv_src_f32(src, compute, i);
         break;
     case PKV_F64: /* only with compute f64 (see CacheCore) */
-        if (compute == PKV_F64 && vstride == 1) memcpy(dst, src, (size_t)d * 8);
-        else if (compute == PKV_F64) for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = sd[i];
-        else for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = (double)sf[i];
+        for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = (double)((const float *)src)[i];
         break;
     case PKV_BF16:
-        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_bf16(sf[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_bf16(sd[i]);
+        if (compute == PKV_F64) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_bf16(sd[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_bf16(pkv_src_f32(src, compute, i));
         break;
     case PKV_F16:
-        if (compute == PKV_F32) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_f16(sf[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_f16(sd[i]);
+        if (compute == PKV_F64) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_f16(sd[i]);
+        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_f16(pkv_src_f32(src, compute, i));
         break;
     case PKV_I8:
         for (int i0 = 0, gi = 0; i0 < d; i0 += PKV_I8_GROUP, gi++) {
             const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
             int8_t q[PKV_I8_GROUP];
-            scales[(size_t)gi * sstride] = compute == PKV_F32
-                                               ? pkv_quant_group_f32(q, sf + i0, n)
-                                               : pkv_quant_group_f64(q, sd + i0, n);
+            float scale;
+            if (compute == PKV_F64) {
+                scale = pkv_quant_group_f64(q, sd + i0, n);
+            } else if (compute == PKV_F32) {
+                scale = pkv_quant_group_f32(q, (const float *)src + i0, n);
+            } else { /* 16-bit values: exact in float32 */
+                float f[PKV_I8_GROUP];
+                for (int i = 0; i < n; i++) f[i] = pkv_src_f32(src, compute, i0 + i);
+                scale = pkv_quant_group_f32(q, f, n);
+            }
+            scales[(size_t)gi * sstride] = scale;
             for (int i = 0; i < n; i++) ((int8_t *)dst)[(size_t)(i0 + i) * vstride] = q[i];
         }
         break;
@@ -161,12 +182,17 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
 }
 
 /* Read one stored head vector (strides as pkv_store_row) back into dst[d]
- * of the compute type. */
+ * of type `compute` (float32, float64, bfloat16 or float16). */
 static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const char *src,
                                 const float *scales, size_t vstride, size_t sstride) {
     const int d = g->d;
     if ((int)g->store.dtype == compute && vstride == 1) {
         memcpy(dst, src, g->row_bytes);
+        return;
+    }
+    if ((int)g->store.dtype == compute && compute != PKV_I8) { /* transposed, same type */
+        const size_t sz = g->store.itemsize;
+        for (int i = 0; i < d; i++) memcpy(dst + (size_t)i * sz, src + (size_t)i * vstride * sz, sz);
         return;
     }
     for (int i = 0; i < d; i++) {
@@ -181,7 +207,7 @@ static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const
         case PKV_I8: {
             /* the kernels compute (T)q * (T)scale; so does this */
             const float sc = scales[(size_t)(i / PKV_I8_GROUP) * sstride];
-            if (compute == PKV_F32) {
+            if (compute != PKV_F64) {
                 xf = (float)((const int8_t *)src)[at] * sc;
                 x = xf;
             } else {
@@ -191,7 +217,11 @@ static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const
         }
         default: x = 0.0; break;
         }
-        if (compute == PKV_F32) ((float *)dst)[i] = (float)x;
-        else ((double *)dst)[i] = x;
+        switch (compute) { /* x is exactly a float unless compute is float64 */
+        case PKV_F32: ((float *)dst)[i] = (float)x; break;
+        case PKV_BF16: ((uint16_t *)dst)[i] = pkv_f32_to_bf16((float)x); break;
+        case PKV_F16: ((uint16_t *)dst)[i] = pkv_f32_to_f16((float)x); break;
+        default: ((double *)dst)[i] = x; break;
+        }
     }
 }

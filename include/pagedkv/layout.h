@@ -36,15 +36,15 @@ static inline pkv_row_at pkv_row_of(const pkv_geom *g, int is_k, int h, size_t a
     return r;
 }
 
-/* Write n tokens' K and V, each src[n][hkv][d] of the compute type `compute`
- * (PKV_F32 / PKV_F64), into slots [slot0, slot0 + n) of one layer,
+/* Write n tokens' K and V, each src[n][hkv][d] of the arrays' type `compute`
+ * (PKV_F32 / PKV_F64 / PKV_BF16 / PKV_F16), into slots [slot0, slot0 + n) of one layer,
  * converting to the storage type (convert.h).
  * (Streaming stores were measured and dropped: no faster for pools larger
  * than the caches, slower for pools that fit.) */
 static inline void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_t *table, int layer,
                                     int64_t slot0, int64_t n, const char *k, const char *v,
                                     int compute) {
-    const size_t srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t srow = (size_t)g->d * pkv_dtype_size(compute);
     const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = slot0 + t;
@@ -62,11 +62,11 @@ static inline void pkv_write_tokens(const pkv_geom *g, char *arena, const int32_
 }
 
 /* Copy the K and V of held slots [slot0, slot1) of one layer into
- * k, v [slot1 - slot0][hkv][d] of the compute type, converting from storage. */
+ * k, v [slot1 - slot0][hkv][d] of the arrays' type, converting from storage. */
 static inline void pkv_read_tokens(const pkv_geom *g, const char *arena, const int32_t *table,
                                    int layer, int64_t slot0, int64_t slot1, char *k, char *v,
                                    int compute) {
-    const size_t srow = (size_t)g->d * (compute == PKV_F64 ? 8 : 4);
+    const size_t srow = (size_t)g->d * pkv_dtype_size(compute);
     const size_t tok = (size_t)g->hkv * srow, koff = pkv_k_offset(g, layer);
     for (int64_t slot = slot0; slot < slot1; slot++) {
         const char *kplane = arena + (size_t)table[slot / g->bs] * g->block_bytes + koff;

@@ -44,9 +44,10 @@ static inline int pkv_have_openmp(void) { return 0; }
 #define PKV_ALIGN 64
 #define PKV_ALIGN_UP(x) (((size_t)(x) + PKV_ALIGN - 1) & ~(size_t)(PKV_ALIGN - 1))
 
-/* Element types.  Compute (the arrays users pass in and get back) is F32 or
- * F64 (the first PKV_NUM_COMPUTE codes); storage (what the pool holds) is
- * any of them.  The kernels are dispatched on (storage, compute, instruction
+/* Element types.  Compute (what the kernels accumulate in) is F32 or F64
+ * (the first PKV_NUM_COMPUTE codes); the arrays users pass in and get back
+ * are F32, F64, BF16 or F16 (16-bit arrays are computed in F32); storage
+ * (what the pool holds) is any of them.  The kernels are dispatched on (storage, compute, instruction
  * set): see attention.h.  Conversions between them: convert.h. */
 typedef enum {
     PKV_F32 = 0,
@@ -70,10 +71,14 @@ typedef struct {
     int scaled;    /* 1: a float32 scale per PKV_I8_GROUP values (int8) */
 } pkv_storage;
 
+static inline int pkv_dtype_size(int t) {
+    return t == PKV_F64 ? 8 : t == PKV_F32 ? 4 : t == PKV_I8 ? 1 : 2;
+}
+
 static inline pkv_storage pkv_storage_of(pkv_dtype t) {
     pkv_storage s;
     s.dtype = t;
-    s.itemsize = t == PKV_F64 ? 8 : t == PKV_F32 ? 4 : t == PKV_I8 ? 1 : 2;
+    s.itemsize = pkv_dtype_size(t);
     s.scaled = t == PKV_I8;
     return s;
 }

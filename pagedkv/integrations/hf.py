@@ -69,7 +69,8 @@ from pagedkv.streaming import StreamingLLM
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedLayer", "paged_cache", "register"]
 
 ATTENTION_NAME = "pagedkv"
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
 _LINK = "_pagedkv_layer"
 
 
@@ -87,7 +88,9 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
     transformers' sdpa attention for any other cache, see the module docstring).
 
     Args:
-        model: a transformers decoder model (float32 or float64 weights), e.g. LlamaForCausalLM.
+        model: a transformers decoder model (float32, float64, bfloat16 or float16 weights),
+            e.g. LlamaForCausalLM.  16-bit models hand their tensors to the kernels as they
+            are (no copy): the kernels compute in float32 and round the output once.
         num_blocks: blocks in the pool; all layers and all batch rows share it.
         block_size: tokens per block.
         kv_dtype: storage dtype of K/V (None: the model's dtype); passed to ``PagedKVCache``.
@@ -102,14 +105,16 @@ def paged_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: Optional
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
     dtype = _DTYPES.get(model.dtype)
     if dtype is None:
-        raise TypeError(f"pagedkv computes in float32 or float64; the model is {model.dtype} "
-                        "(use model.float(); a lower-precision K/V storage is kv_dtype=...)")
+        raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
+                        f"is {model.dtype}")
     num_layers = int(config.num_hidden_layers)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
     kwargs = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, num_layers=num_layers, dtype=dtype, max_seqs=max_seqs)
+    if dtype in ("bfloat16", "float16"):
+        kwargs["raw16"] = True  # torch's 16-bit tensors reach the kernels as uint16 views
     if kv_dtype is not None:
         if "kv_dtype" not in inspect.signature(PagedKVCache.__init__).parameters:
             raise TypeError(f"kv_dtype={kv_dtype!r} needs a PagedKVCache that accepts kv_dtype "
@@ -275,8 +280,8 @@ class PagedLayer(CacheLayerMixin):
         paged, rows = self.rows.paged, self.rows
         B, hq, T, D = query.shape
         dtype = _DTYPES.get(query.dtype)
-        if dtype is None or np.dtype(dtype) != paged.dtype or key.dtype != query.dtype:
-            raise TypeError(f"the cache computes in {paged.dtype}; the model gave queries "
+        if dtype is None or dtype != paged.dtype_name or key.dtype != query.dtype:
+            raise TypeError(f"the cache holds {paged.dtype_name} arrays; the model gave queries "
                             f"{query.dtype} and keys {key.dtype}")
         if key.shape[0] != B or key.shape[2] != T:
             raise ValueError(f"queries {tuple(query.shape)} and the pending keys "
@@ -287,7 +292,7 @@ class PagedLayer(CacheLayerMixin):
         k = _numpy(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
         v = _numpy(value).transpose(0, 2, 1, 3)
         out = torch.empty((B, T, hq, D), dtype=query.dtype)
-        o = out.numpy()
+        o = _numpy(out)
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
             self.seen += 1
@@ -327,8 +332,11 @@ class PagedLayer(CacheLayerMixin):
 
 
 def _numpy(t) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy; strides kept)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    """A NumPy view of a CPU tensor (no copy; strides kept); 16-bit floats as uint16 bits."""
+    t = t.detach() if t.requires_grad else t
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:

@@ -452,6 +452,7 @@ typedef struct {
     long cases[PKV_NUM_SIMD];
     long threaded, split; /* decode calls that ran on 2 threads; that split keys */
     double worst[PKV_NUM_SIMD][NPAIRS]; /* per (storage, compute): worst error / bound */
+    long cases16[PKV_NUM_SIMD];         /* 16-bit q/out calls checked bit for bit */
 } tally;
 
 static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *q, void *out,
@@ -491,6 +492,43 @@ static void fill_args(const config *c, pkv_attn_args *a, int layer, const void *
 
 /* decode (all sequences) and prefill (each sequence's newest n ranks) on
  * every path, with 1 and 2 threads */
+/* 16-bit queries and output (a->qo16) on float32 compute: the output must be, bit for bit,
+ * the float32 kernel's over the widened queries, rounded once.  `a` is a filled prefill (or
+ * decode) call over float32 queries; its q is replaced by rounded 16-bit copies. */
+static void check_qo16(const config *c, const pkv_kernels *kern, const pkv_attn_args *a0, int simd,
+                       int fmt) {
+    const int prefill = a0->nq > 1 || a0->nseq == 1;
+    const size_t n = (size_t)(prefill ? a0->nq : a0->nseq) * c->hq * c->d;
+    uint16_t *q16 = xalloc(n * 2), *o16 = xalloc(n * 2);
+    float *qw = xalloc(n * 4), *o32 = xalloc(n * 4);
+    for (size_t i = 0; i < n; i++) {
+        const float x = ((const float *)a0->q)[i];
+        q16[i] = fmt == PKV_BF16 ? pkv_f32_to_bf16(x) : pkv_f32_to_f16(x);
+        qw[i] = fmt == PKV_BF16 ? pkv_bf16_to_f32(q16[i]) : pkv_f16_to_f32(q16[i]);
+    }
+    pkv_attn_args a = *a0;
+    a.q = qw;
+    a.out = o32;
+    a.qo16 = 0;
+    if (prefill) kern->prefill(&a); else kern->decode(&a);
+    a.q = q16;
+    a.out = o16;
+    a.qo16 = fmt;
+    if (prefill) kern->prefill(&a); else kern->decode(&a);
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint16_t want = fmt == PKV_BF16 ? pkv_f32_to_bf16(o32[i]) : pkv_f32_to_f16(o32[i]);
+        bad += o16[i] != want;
+    }
+    CHECK(bad == 0, "%s 16-bit (%s) q/out %s: %ld of %zu values differ from the float32 result "
+          "rounded (bs=%d d=%d hkv=%d hq=%d)", simd_names[simd], fmt == PKV_BF16 ? "bf16" : "f16",
+          prefill ? "prefill" : "decode", bad, n, c->bs, c->d, c->hkv, c->hq);
+    free(q16);
+    free(o16);
+    free(qw);
+    free(o32);
+}
+
 static void check_attention(const config *c, tally *t, int pair, int big) {
     const int d = c->d, dt = c->dt;
     const size_t row = (size_t)c->hq * d;
@@ -563,6 +601,11 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
                   (long long)held, c->rope_half);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->cases[simd] += 2;
+            if (dt == PKV_F32 && nt == 1) {
+                check_qo16(c, kern, &a, simd, PKV_BF16);
+                check_qo16(c, kern, &a, simd, PKV_F16);
+                t->cases16[simd] += 2;
+            }
         }
     }
     free(qd);
@@ -713,7 +756,8 @@ int main(int argc, char **argv) {
         for (int pair = 0; pair < NPAIRS; pair++)
             printf("%s %s/%s %.3f", pair % 3 ? "," : "\n        ", dtype_names[pairs[pair][0]],
                    dtype_names[pairs[pair][1]], t.worst[simd][pair]);
-        printf("\n");
+        printf("\n         %ld calls with bf16/f16 queries and output: equal to the f32 result "
+               "rounded\n", t.cases16[simd]);
     }
     for (int r = 0; r < nrequired; r++) {
         int found = 0;
