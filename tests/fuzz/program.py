@@ -3,8 +3,9 @@
 Shared by the atheris harness (tests/fuzz/fuzz_cache.py, coverage-guided over the in-place build;
 tools/fuzz.sh --replay runs what it kept under the sanitizer build) and by
 tests/test_fuzz_programs.py (saved regressions plus random byte strings, in every test run).  A
-program builds a small cache from the bytes (storage kv_dtype, prefix caching, StreamingLLM, RoPE,
-automatic eviction: each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
+program builds a small cache from the bytes (arrays of float32, float64, float16 or bfloat16, raw
+16-bit bit patterns, storage kv_dtype, prefix caching, StreamingLLM, RoPE, automatic eviction:
+each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
 arguments that are often wrong: ids live / freed / huge / negative / float / bool / None, arrays
 of the wrong dtype, ndim, shape, strides, alignment, writability, zero length or huge broadcast
 length, NaN / inf data, hostile layers, scales, sizes and out= arrays, token ids and cache salts
@@ -49,6 +50,11 @@ import tempfile
 import zlib
 
 import numpy as np
+
+try:
+    import ml_dtypes as _ML_DTYPES  # bfloat16 arrays (the bf16 extra)
+except ImportError:  # pragma: no cover
+    _ML_DTYPES = None
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -360,13 +366,14 @@ class Runner:
         self.d = b.int(1, 9)
         self.layers = b.int(1, 2)
         self.bs = b.int(1, 6)
-        self.dtype = b.pick(["float32", "float64"])
+        self.dtype = b.pick(["float32", "float64", "float32", "float64", "float16", "bfloat16"])
         kw = dict(num_blocks=b.int(1, 12), block_size=self.bs, num_kv_heads=self.hkv,
                   head_dim=self.d, num_layers=self.layers, dtype=self.dtype,
                   max_seqs=b.int(1, 5))
         if b.chance(160):
             kw["kv_dtype"] = (b.pick([None, "float32", "float64", "bfloat16", "float16", "int8",
-                                      "int8", np.float16, np.dtype(self.dtype)])
+                                      "int8", np.float16,
+                                      np.dtype(self.dtype) if self.dtype[0] == "f" else "float32"])
                               if b.chance(230) else
                               b.pick(["int4", "float8", "bf16", "INT8", "", 3, object, np.int8,
                                       np.complex64, b"int8", ["int8"]]))
@@ -384,7 +391,11 @@ class Runner:
         if b.chance(60):
             kw["auto_evict"] = True
             kw["eviction_strategy"] = b.pick(["lru", "lfu", "longest", "priority"])
+        if self.dtype in ("float16", "bfloat16") and (b.chance(64) or _ML_DTYPES is None
+                                                      and self.dtype == "bfloat16"):
+            kw["raw16"] = True  # arrays of uint16 bit patterns (bfloat16 needs ml_dtypes else)
         self.cache = pagedkv.PagedKVCache(**kw)
+        self.np_dtype = self.cache.dtype.type   # arrays in and out
         self.live, self.freed = [], []
         self.target, self.prev = None, 0
         self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
@@ -525,7 +536,7 @@ class Runner:
         layer = _hostile_int(b, b.int(0, self.layers - 1))
         n = b.int(1, 2 * self.bs + 1)
         hq = self.hkv * self.g
-        dt = np.dtype(self.dtype).type
+        dt = self.np_dtype
         if name == "add":
             return self._add()
         if name == "step":
@@ -606,8 +617,8 @@ class Runner:
         """A well-formed append on every layer (token ids from the sequence's stream): drives
         sequences to full, registered blocks.  Each layer's append is checked on its own."""
         b, c = self.b, self.cache
-        k = _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
-        v = k if b.chance(128) else _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
+        k = _data(b, [n, self.hkv, self.d], self.np_dtype)
+        v = k if b.chance(128) else _data(b, [n, self.hkv, self.d], self.np_dtype)
         ids = self._tokens(sid, n) if self.prefix else None
 
         def step():
@@ -925,7 +936,7 @@ class Runner:
         b = self.b
         if b.chance(200):
             return None
-        dt = np.dtype(self.dtype).type
+        dt = self.np_dtype
         return b.pick([
             np.empty((m, hq, self.d), dt),
             np.empty((m, hq, self.d + 1), dt),
