@@ -33,8 +33,10 @@ FEATURES = 1 << 14
 _COUNTERS = [atheris._reserve_counter() for _ in range(FEATURES)]
 
 
-def _feedback(f, _counters=_COUNTERS, _trace=atheris._trace_branch):
-    _trace(_counters[(f * 0x9E3779B1 >> 7) % FEATURES])
+def _feedback(f, _counters=_COUNTERS):
+    # looked up at each call: atheris.Setup replaces the module's functions with the ones
+    # bound to libFuzzer (a reference taken before it reaches a stub)
+    atheris._trace_branch(_counters[(f * 0x9E3779B1 >> 7) % FEATURES])
 
 
 program.FEEDBACK = _feedback
