@@ -837,6 +837,10 @@ cdef class CacheCore:
             _plan_init(&p, s)
             self.seqs.plan_trim(s, sink_tokens, window_tokens, &p)
             self.seqs.apply_drop(s, &p, _TRIM_ONE_SHOT)
+            if s.segs.b1 - s.segs.b0 < s.step_n:
+                # the window cut into the newest step: its tokens can no longer be rewritten
+                # on another layer (they would land before the segment, out of the sequence)
+                s.step_n = 0
             return p.evicted_tokens, self.pool.num_free - before
         finally:
             self._exit()
@@ -958,6 +962,10 @@ cdef class CacheCore:
             raise ValueError(
                 f"append on layer {layer} must carry the n={s.step_n} tokens of the "
                 f"newest layer-0 append, got n={n}")
+        if n > s.segs.b1 - s.segs.b0:  # (trim resets step_n when it cuts into the step)
+            raise ValueError(
+                f"append on layer {layer}: the newest layer-0 step (n={n}) is no longer held "
+                "in full: append a new step on layer 0")
         if s.written[layer] < total - n:
             raise ValueError(
                 f"layer {layer} missed an earlier step of this sequence: it is written up to "

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv
+from profiles import depth
 from reference import (
     SeqModel,
     assert_attention_close,
@@ -393,7 +394,9 @@ class LargeBlockMachine(PagedKVModelMachine):
     MAX_BLOCKS_PER_SEQ = 3
 
 
-MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None)
+MACHINE_SETTINGS = settings(deadline=None, **depth(
+    dict(max_examples=50, stateful_step_count=30),
+    dict(max_examples=2000, stateful_step_count=100, derandomize=False, print_blob=True)))
 
 TestPagedKVModel = PagedKVModelMachine.TestCase
 TestPagedKVModel.settings = MACHINE_SETTINGS

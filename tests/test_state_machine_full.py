@@ -36,8 +36,8 @@ was (snapshot before and after), except that an append which automatic eviction 
 room for keeps the evictions it made first (documented: the room check counts blocks shared with
 the call's sequences, which can be optimistic).
 
-Profiles: the default `ci` runs a bounded number of programs; PAGEDKV_STATE_MACHINE=long runs deep
-ones with fresh random programs each run (set PAGEDKV_STATE_MACHINE_REPORT=path to append
+Profiles (tests/profiles.py): the default `ci` runs a bounded number of programs;
+PAGEDKV_TEST_PROFILE=long runs deep ones with fresh random programs each run (set PAGEDKV_STATE_MACHINE_REPORT=path to append
 "<machine> programs steps" counts there, one line per program, cumulative per machine class).
 """
 import json
@@ -55,10 +55,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv
+from profiles import PROFILE
 from reference import (assert_attention_close, check_pool_invariants, math_scale, ref_attention,
                        ref_stored, snapshot)
 
-PROFILE = os.environ.get("PAGEDKV_STATE_MACHINE", "ci")
 PROFILES = {"ci": dict(max_examples=40, stateful_step_count=40),
             "long": dict(max_examples=3000, stateful_step_count=100, derandomize=False,
                          print_blob=True)}

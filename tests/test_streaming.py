@@ -499,6 +499,55 @@ def test_apply_streaming_llm_errors_leave_cache_unchanged(rng):
     assert cache.apply_streaming_llm(sid, 2, 6) == 3
 
 
+def test_trim_into_the_newest_step_ends_it(rng):
+    """A one-shot trim whose window cuts into the newest step ends that step: appending that
+    step again on another layer raises ValueError and changes nothing (it used to write before
+    the held tokens, out of the pool: found by the fuzz programs).  A trim that keeps the whole
+    step leaves its rewrite on another layer possible."""
+    c = pagedkv.PagedKVCache(num_blocks=11, block_size=4, num_kv_heads=1, head_dim=2,
+                             num_layers=2, dtype="float64")
+    s = c.add_sequence()
+    k = rng.standard_normal((5, 1, 2))
+    c.append(s, k, k, layer=0)
+    c.append(s, k, k, layer=1)
+    assert c.apply_streaming_llm(s, 0, 1) == 4
+    before = snapshot(c, [s], layers=(0, 1))
+    with pytest.raises(ValueError, match="layer 1"):
+        c.append(s, k, k, layer=1)
+    assert_unchanged(c, before, layers=(0, 1))
+    c.compact()
+    with pytest.raises(ValueError, match="layer 1"):
+        c.append(s, k, k, layer=1)
+    assert_unchanged(c, before, layers=(0, 1))
+    c.append(s, k[:2], k[:2], layer=0)            # a new step works as ever
+    c.append(s, 2 * k[:2], 2 * k[:2], layer=1)
+    np.testing.assert_array_equal(c.gather(s, 1)[0], np.concatenate([k[4:], 2 * k[:2]]))
+    np.testing.assert_array_equal(c.kept_positions(s), [4, 5, 6])
+
+    # one-token batch steps, a window of 0: nothing of the step is held any more
+    b = c.add_sequence()
+    for t in range(3):
+        c.append_batch([b], k[t:t + 1], k[t:t + 1], layer=0)
+        c.append_batch([b], k[t:t + 1], k[t:t + 1], layer=1)
+    c.apply_streaming_llm(b, 1, 0)
+    before = snapshot(c, [s, b], layers=(0, 1))
+    with pytest.raises(ValueError, match="layer 1"):
+        c.append_batch([b], k[:1], k[:1], layer=1)
+    assert_unchanged(c, before, layers=(0, 1))
+
+    # the window keeps the newest step: its rewrite on layer 1 lands on its own positions
+    w = c.add_sequence()
+    c.append(w, k, k, layer=0)
+    c.append(w, k, k, layer=1)
+    c.append(w, k[:2], k[:2], layer=0)
+    c.append(w, k[:2], k[:2], layer=1)
+    c.apply_streaming_llm(w, 1, 3)
+    c.append(w, 3 * k[:2], 3 * k[:2], layer=1)
+    np.testing.assert_array_equal(c.kept_positions(w), [0, 4, 5, 6])
+    np.testing.assert_array_equal(c.gather(w, 1)[0], np.concatenate([k[:1], k[4:], 3 * k[:2]]))
+    np.testing.assert_array_equal(c.gather(w, 0)[0], np.concatenate([k[:1], k[4:], k[:2]]))
+
+
 def test_streaming_append_out_of_blocks_is_atomic(rng):
     """A streaming append that cannot get blocks evicts nothing and changes nothing."""
     bs = 4

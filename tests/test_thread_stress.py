@@ -5,7 +5,7 @@ append, attend, append_batch + attend_batch, gather, fork, truncate, free.  Beca
 script depends only on its own sequences, its results must be the same whether it runs alone or
 interleaved with the others; the threaded runs are compared with single-threaded runs of the same
 scripts, and the block accounting is checked while the workers run and after they finish.
-Sized to take a few seconds on 2 cores.
+Sized to take a few seconds on 2 cores (PAGEDKV_TEST_PROFILE=long: 10 times the operations).
 """
 import sys
 import threading
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import pagedkv
+from profiles import depth
 from reference import check_pool_invariants
 
 HKV, HQ, D, LAYERS, BS = 2, 4, 8, 2, 4
-OPS = 800
+OPS = depth(800, 8000)
 WORKERS = 4
 
 

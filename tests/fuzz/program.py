@@ -3,8 +3,9 @@
 Shared by the atheris harness (tests/fuzz/fuzz_cache.py, coverage-guided over the in-place build;
 tools/fuzz.sh --replay runs what it kept under the sanitizer build) and by
 tests/test_fuzz_programs.py (saved regressions plus random byte strings, in every test run).  A
-program builds a small cache from the bytes (storage kv_dtype, prefix caching, StreamingLLM, RoPE,
-automatic eviction: each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
+program builds a small cache from the bytes (arrays of float32, float64, float16 or bfloat16, raw
+16-bit bit patterns, storage kv_dtype, prefix caching, StreamingLLM, RoPE, automatic eviction:
+each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
 arguments that are often wrong: ids live / freed / huge / negative / float / bool / None, arrays
 of the wrong dtype, ndim, shape, strides, alignment, writability, zero length or huge broadcast
 length, NaN / inf data, hostile layers, scales, sizes and out= arrays, token ids and cache salts
@@ -50,6 +51,11 @@ import zlib
 
 import numpy as np
 
+try:
+    import ml_dtypes as _ML_DTYPES  # bfloat16 arrays (the bf16 extra)
+except ImportError:  # pragma: no cover
+    _ML_DTYPES = None
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pagedkv  # noqa: E402
@@ -59,7 +65,9 @@ from reference import check_pool_invariants  # noqa: E402
 ALLOWED = (KeyError, ValueError, TypeError, RuntimeError, MemoryError)
 #: load of a real file with a valid priority: a file's contents may only raise these
 LOAD_ALLOWED = (ValueError, RuntimeError, MemoryError)
-MAX_OPS = 32
+#: calls per program: coverage-guided search favours short inputs, and the state machines run the
+#: long ones
+MAX_OPS = 16
 # weighted: sequences must live long enough to be appended to and attended over
 OPS = (["add"] * 3 + ["append"] * 5 + ["append_batch"] * 2 + ["attend"] * 2
        + ["attend_batch"] * 2 + ["gather", "fork", "truncate", "free", "streaming", "evict",
@@ -69,6 +77,15 @@ OPS = (["add"] * 3 + ["append"] * 5 + ["append_batch"] * 2 + ["attend"] * 2
 READ_ONLY = {"attend", "attend_batch", "gather", "query", "save"}
 #: (operation, "ok" or the exception's name) -> calls, over every program run in this process
 OUTCOMES = collections.Counter()
+#: the coverage-guided search sets this to a callable taking a feature number (fuzz_cache.py):
+#: what each call did and the shape of the sequence it named, as extra coverage (the core,
+#: compiled by GCC, has none of its own)
+FEEDBACK = None
+_OP_INDEX = {name: i for i, name in enumerate(sorted(set(OPS)))}
+_OUTCOME_INDEX = {name: i for i, name in enumerate(
+    ["ok", "KeyError", "ValueError", "TypeError", "RuntimeError", "MemoryError",
+     "OutOfBlocksError", "CacheFileError", "OverflowError", "FileNotFoundError",
+     "IsADirectoryError", "NotADirectoryError", "PermissionError", "OSError"])}
 
 
 class Bytes:
@@ -120,18 +137,30 @@ def _sid(b: Bytes, live, freed):
                    np.int32(0), np.uint8(1), np.float64(0)])
 
 
+#: standard normal values, drawn once: an array's data is a slice of them at an offset the
+#: bytes choose (a Generator per array cost more than the call it fed)
+_NORMALS = np.random.default_rng(0).standard_normal(1 << 16)
+
+
+def _normals(b: Bytes, n):
+    if n > _NORMALS.size // 2:  # only wrong shapes get here (a 2x-too-large strided base)
+        return np.random.default_rng(b.byte()).standard_normal(n)
+    start = b.byte() * 127
+    return _NORMALS[start:start + n].copy()
+
+
 def _data(b: Bytes, shape, dtype):
-    n = int(np.prod(shape)) if len(shape) else 1
+    n = math.prod(shape)
     kind = b.int(0, 7)
     if kind == 0:
         a = np.zeros(n)
     elif kind == 1:
         a = np.full(n, b.pick([np.nan, np.inf, -np.inf, 1e38, -1e308, 5e-324, -0.0]))
     elif kind == 2:  # some NaN / inf among normal values
-        a = np.random.default_rng(b.byte()).standard_normal(n)
+        a = _normals(b, n)
         a[:: max(1, b.int(1, 7))] = b.pick([np.nan, np.inf, -np.inf])
     else:
-        a = np.random.default_rng(b.byte()).standard_normal(n) * b.pick([1.0, 1e-3, 1e3, 1e30])
+        a = _normals(b, n) * b.pick([1.0, 1e-3, 1e3, 1e30])
     with np.errstate(all="ignore"):
         return a.reshape(shape).astype(dtype) if dtype is not object else a.reshape(shape)
 
@@ -246,21 +275,29 @@ def _hostile_ids(b: Bytes, good):
 # files (save / load)
 
 _TMP = None
+_DIRTY = False
 _PREFIX = struct.Struct("<8sII")
 
 
 def _tmpdir():
-    """One scratch directory per process (emptied at the start of every program)."""
-    global _TMP
+    """One scratch directory per process (emptied at the start of every program that follows one
+    which used it)."""
+    global _TMP, _DIRTY
+    _DIRTY = True
     if _TMP is None:
-        _TMP = tempfile.mkdtemp(prefix="pagedkv-fuzz-")
+        # in memory where the system has it: a save syncs its file and directory to disk
+        shm = "/dev/shm"
+        _TMP = tempfile.mkdtemp(prefix="pagedkv-fuzz-",
+                                dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
         os.mkdir(os.path.join(_TMP, "d"))
         atexit.register(shutil.rmtree, _TMP, True)
     return _TMP
 
 
 def _clear_tmpdir():
-    if _TMP is not None:
+    global _DIRTY
+    if _TMP is not None and _DIRTY:
+        _DIRTY = False
         for name in os.listdir(_TMP):
             if name != "d":
                 os.unlink(os.path.join(_TMP, name))
@@ -329,13 +366,14 @@ class Runner:
         self.d = b.int(1, 9)
         self.layers = b.int(1, 2)
         self.bs = b.int(1, 6)
-        self.dtype = b.pick(["float32", "float64"])
+        self.dtype = b.pick(["float32", "float64", "float32", "float64", "float16", "bfloat16"])
         kw = dict(num_blocks=b.int(1, 12), block_size=self.bs, num_kv_heads=self.hkv,
                   head_dim=self.d, num_layers=self.layers, dtype=self.dtype,
                   max_seqs=b.int(1, 5))
         if b.chance(160):
             kw["kv_dtype"] = (b.pick([None, "float32", "float64", "bfloat16", "float16", "int8",
-                                      "int8", np.float16, np.dtype(self.dtype)])
+                                      "int8", np.float16,
+                                      np.dtype(self.dtype) if self.dtype[0] == "f" else "float32"])
                               if b.chance(230) else
                               b.pick(["int4", "float8", "bf16", "INT8", "", 3, object, np.int8,
                                       np.complex64, b"int8", ["int8"]]))
@@ -353,8 +391,13 @@ class Runner:
         if b.chance(60):
             kw["auto_evict"] = True
             kw["eviction_strategy"] = b.pick(["lru", "lfu", "longest", "priority"])
+        if self.dtype in ("float16", "bfloat16") and (b.chance(64) or _ML_DTYPES is None
+                                                      and self.dtype == "bfloat16"):
+            kw["raw16"] = True  # arrays of uint16 bit patterns (bfloat16 needs ml_dtypes else)
         self.cache = pagedkv.PagedKVCache(**kw)
+        self.np_dtype = self.cache.dtype.type   # arrays in and out
         self.live, self.freed = [], []
+        self.target, self.prev = None, 0
         self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
         self.saved = {}         # path -> (file bytes, the saved sequence's contents)
         self.block_bytes = {}   # (block, generation) -> bytes of a registered block, when seen
@@ -369,12 +412,16 @@ class Runner:
         c = self.cache
         core, pool = c._core, c._core.pool
         seqs = []
+        gather, layers = c.gather, range(self.layers)
         for sid in c.sequence_ids():
-            data = [c.gather(sid, layer) for layer in range(self.layers)]
+            data = [gather(sid, layer) for layer in layers]
             seqs.append((sid, c.seq_len(sid), c.kept_positions(sid).tobytes(), c.priority(sid),
                          [(k.tobytes(), v.tobytes()) for k, v in data]))
-        blocks = [(pool.generation(b), pool.is_cached(b, pool.generation(b)), core.ref_count(b))
-                  for b in range(c.num_blocks)]
+        gen, cached, ref = pool.generation, pool.is_cached, core.ref_count
+        blocks = []
+        for b in range(c.num_blocks):
+            g = gen(b)
+            blocks.append((g, cached(b, g), ref(b)))
         state = {"seqs": seqs, "pool": (c.num_blocks, c.num_free_blocks, blocks,
                                         pool.num_cached_free)}
         p = c._prefix
@@ -385,6 +432,19 @@ class Runner:
                                           for sid, st in p._seqs.items())
             state["counts"] = p.counts()
         return state
+
+    def internals(self):
+        """What the invariant checks read beyond the snapshot (which a failing call may change:
+        the free queue's order, stale index entries dropped on sight): unchanged internals and an
+        unchanged snapshot mean the checks would see what they last passed."""
+        c = self.cache
+        core = c._core
+        p = c._prefix
+        return (core.pool.free_blocks(),
+                [(c.block_table(sid).tobytes(), core.written_tokens(sid))
+                 for sid in c.sequence_ids()],
+                None if p is None else [(e.key, e.block, e.gen, p._valid(e))
+                                        for e in p._entries()])
 
     def used_entries(self):
         """The valid prefix-index entries whose block is in use (every copy: compaction moves
@@ -472,11 +532,11 @@ class Runner:
 
     def _call(self, name):
         b, c = self.b, self.cache
-        sid = _sid(b, self.live, self.freed)
+        sid = self.target = _sid(b, self.live, self.freed)
         layer = _hostile_int(b, b.int(0, self.layers - 1))
         n = b.int(1, 2 * self.bs + 1)
         hq = self.hkv * self.g
-        dt = np.dtype(self.dtype).type
+        dt = self.np_dtype
         if name == "add":
             return self._add()
         if name == "step":
@@ -557,8 +617,8 @@ class Runner:
         """A well-formed append on every layer (token ids from the sequence's stream): drives
         sequences to full, registered blocks.  Each layer's append is checked on its own."""
         b, c = self.b, self.cache
-        k = _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
-        v = k if b.chance(128) else _data(b, [n, self.hkv, self.d], np.dtype(self.dtype).type)
+        k = _data(b, [n, self.hkv, self.d], self.np_dtype)
+        v = k if b.chance(128) else _data(b, [n, self.hkv, self.d], self.np_dtype)
         ids = self._tokens(sid, n) if self.prefix else None
 
         def step():
@@ -805,7 +865,7 @@ class Runner:
         keep = self.used_entries()
 
         def compact():
-            before = self.snapshot()
+            before = self.before
             used = c.num_blocks - c.num_free_blocks
             moved = c.compact()
             assert type(moved) is int and 0 <= moved <= used, moved
@@ -818,14 +878,14 @@ class Runner:
         used = c.num_blocks - c.num_free_blocks
         hi = c._core.pool.highest_used()
         n = b.pick([used, hi + 1, hi, c.num_blocks, c.num_blocks + 1, c.num_blocks - 1, 0, 1,
-                    b.int(0, 24), b.int(0, 64), 1000,
+                    b.int(0, 24), b.int(0, 64), 96,
                     -1, 2**31, 2**63, 2**64, -2**63, 10**30, 1.0, float(hi + 1), True, None,
                     str(hi + 1), np.int64(hi + 1), np.uint64(2**64 - 1), np.int8(-1),
                     np.float64(hi + 1)])
         keep = self.used_entries()
 
         def resize():
-            before = self.snapshot()
+            before = self.before
             c.resize(n)
             assert c.num_blocks == int(n) and c.num_free_blocks == int(n) - used
             self.check_kept(before, keep)
@@ -876,7 +936,7 @@ class Runner:
         b = self.b
         if b.chance(200):
             return None
-        dt = np.dtype(self.dtype).type
+        dt = self.np_dtype
         return b.pick([
             np.empty((m, hq, self.d), dt),
             np.empty((m, hq, self.d + 1), dt),
@@ -886,24 +946,49 @@ class Runner:
             [[0.0]],
         ])
 
+    def feature(self, name, outcome):
+        """A number for (previous call, this call, its outcome, the shape of the sequence it
+        named): segments held, a partial last block, a step not yet written on every layer, a
+        shared last block, or no such sequence."""
+        c, sid, shape = self.cache, self.target, 0
+        if type(sid) is int and sid in c:
+            core = c._core
+            g = core.debug_state(sid)
+            length = g["b1"] - g["b0"] + g["a1"] - g["a0"]
+            table = g["table"]
+            shape = (1 | (g["a1"] > g["a0"]) << 1 | (g["b1"] > g["b0"]) << 2
+                     | (length % self.bs != 0) << 3 | (core.written_tokens(sid) < length) << 4
+                     | (bool(table) and core.ref_count(table[-1]) > 1) << 5)
+        op = _OP_INDEX[name]
+        f = ((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape
+        self.prev = op
+        return f
+
     def run(self):
+        """Up to MAX_OPS calls.  The snapshot after a call is the next call's `before`; the
+        invariants run after every call that changed the snapshot or the internals they read
+        (so a run pays for checks in proportion to the calls that changed something)."""
+        state, inner = self.snapshot(), self.internals()
         for _ in range(MAX_OPS):
             if self.b.left() <= 0:
                 break
             name, call = self.op()
-            self.before = before = self.snapshot()
-            live_before = set(self.live)
+            self.before = state
+            live_before = self.live
             log_before = len(self.cache.eviction_log)
             try:
                 with np.errstate(all="ignore"):
                     call()
                 OUTCOMES[name, "ok"] += 1
-                if name in READ_ONLY and self.snapshot() != before:
+                outcome = "ok"
+                after = self.snapshot()
+                if name in READ_ONLY and after != state:
                     raise AssertionError(f"a successful {name} changed the cache")
                 if self.rewrites:
                     self.rewritten()
             except self.allowed as e:
-                OUTCOMES[name, type(e).__name__] += 1
+                outcome = type(e).__name__
+                OUTCOMES[name, outcome] += 1
                 after, before = self.snapshot(), self.before
                 evicted = self.evicted_during(name, e, log_before)
                 if evicted and self.only_evicted(before, after, evicted):
@@ -914,10 +999,15 @@ class Runner:
                                          f"cache ({', '.join(diff)})") from e
                 if self.on_fail is not None:
                     self.on_fail()
-            self.ids()
-            self.freed = sorted(set(self.freed) | (live_before - set(self.live)))[-8:]
-            check_pool_invariants(self.cache)
-            self.check_state()
+            if FEEDBACK is not None:
+                FEEDBACK(self.feature(name, outcome))
+            now = self.internals()
+            if after != state or now != inner:
+                self.ids()
+                self.freed = sorted(set(self.freed) | (set(live_before) - set(self.live)))[-8:]
+                check_pool_invariants(self.cache)
+                self.check_state()
+            state, inner = after, now
 
 
 def run_program(data: bytes):
