@@ -9,7 +9,12 @@ normal spread and with keys whose 4 outlier channels are 20x larger (as real mod
 
 Each case runs a causal prefill of the last 32 tokens and one decode query per sequence.
 
-Usage: python benchmarks/accuracy.py [--seeds N] [--dtype float32|float64] [--markdown]
+With ``--dtype bfloat16`` / ``float16`` the arrays in and out are 16-bit (bfloat16 needs ml_dtypes):
+K, V and queries are rounded to that format first, and the reference is computed on the rounded
+values, so the error shown is what storage and the output's rounding add.
+
+Usage: python benchmarks/accuracy.py [--seeds N] [--dtype float32|float64|bfloat16|float16]
+                                     [--markdown]
 """
 import argparse
 import math
@@ -50,9 +55,17 @@ def keys(rng, shape, outliers):
     return k
 
 
+def np_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes  # noqa: PLC0415 - only for this dtype
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 def measure(kv_dtype, dtype, outliers, seeds):
     """(max err, mean rel) over the grid for one kv_dtype."""
     worst, rels = 0.0, []
+    adt = np_dtype(dtype)
     for seed in range(seeds):
         for ci, (bs, d, hkv, ratio, length) in enumerate(SHAPES):
             rng = np.random.default_rng(1000 * seed + ci)
@@ -60,10 +73,10 @@ def measure(kv_dtype, dtype, outliers, seeds):
             cache = pagedkv.PagedKVCache(-(-length // bs) + 1, bs, hkv, d, dtype=dtype,
                                          kv_dtype=kv)
             sid = cache.add_sequence()
-            k = keys(rng, (length, hkv, d), outliers).astype(dtype)
-            v = rng.standard_normal((length, hkv, d)).astype(dtype)
+            k = keys(rng, (length, hkv, d), outliers).astype(adt)
+            v = rng.standard_normal((length, hkv, d)).astype(adt)
             cache.append(sid, k, v)
-            q = rng.standard_normal((QUERIES, hkv * ratio, d)).astype(dtype)
+            q = rng.standard_normal((QUERIES, hkv * ratio, d)).astype(adt)
             scale = 1.0 / math.sqrt(d)
             k64, v64 = k.astype(np.float64), v.astype(np.float64)
             pairs = [(cache.attend(sid, q), reference(q.astype(np.float64), k64, v64, scale,
@@ -80,10 +93,13 @@ def measure(kv_dtype, dtype, outliers, seeds):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = p.parse_args(argv)
-    kv_dtypes = KV_DTYPES if args.dtype == "float64" else KV_DTYPES[1:]
+    kv_dtypes = tuple(k for k in KV_DTYPES if k != args.dtype)
+    if args.dtype == "float64":
+        kv_dtypes = ("float32",) + kv_dtypes
     rows = []
     for kv_dtype in (args.dtype,) + tuple(kv_dtypes):
         row = [kv_dtype]
