@@ -437,7 +437,10 @@ def test_soak(fast_switching):
           f"{hf_worker.done if hf_worker else 0} generations, {checks[0]} invariant sweeps, "
           f"{elapsed:.1f} s, RSS MiB per epoch {mib}")
     assert all(w.ops == EPOCHS * OPS for w in workers)
-    if rss[WARMUP - 1] is not None:
+    # Under AddressSanitizer (tools/sanitize.sh preloads libasan) freed memory is held in its
+    # quarantine (up to 256 MiB), so RSS grows by design there; the ordinary build checks it.
+    under_asan = "libasan" in os.environ.get("LD_PRELOAD", "")
+    if rss[WARMUP - 1] is not None and not under_asan:
         grown = rss[-1] - rss[WARMUP - 1]
         assert grown <= RSS_SLACK, f"RSS grew {grown / 2**20:.1f} MiB after warm-up: {mib}"
     prefix = [caches[n].stats() for n in SPECS if SPECS[n].get("prefix_caching")]
