@@ -6,6 +6,9 @@ steps.  Both sides round K/V, attention outputs and every matmul to the model's 
 computes attention in float32 and rounds its output once, sdpa likewise (flash attention with
 float32 accumulation), so what differs is the order of float32 sums: far below a bfloat16 unit
 on these tiny random models (measured max 8e-3 relative with bfloat16, 1e-3 with float16).
+Greedy tokens are equal except where the reference itself holds an exact or near tie (its two
+best logits within TIE_ULPS units of the dtype's rounding): one float16 prompt below meets an
+exact tie on AVX2 machines, where the sums run in another order than sdpa's.
 """
 import importlib.util
 import os
@@ -27,6 +30,10 @@ from pagedkv.integrations.hf import paged_cache  # noqa: E402
 
 VOCAB = 96
 LOGIT_RTOL = 3e-2
+#: a greedy token may differ from the reference's only where the reference's two best logits are
+#: this many units of the dtype's rounding apart (or closer): a tie that float32 sums in another
+#: order can break either way
+TIE_ULPS = 2
 DTYPES = [torch.bfloat16, torch.float16]
 IDS = ["bfloat16", "float16"]
 
@@ -94,13 +101,33 @@ def test_greedy_tokens_left_padded_batch(models, kv_dtype):
     mask[1, :7] = 0
     ids[1, :7] = 0
     kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
-    want = ref.generate(ids, **kw)
+    want = ref.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
     got = ours.generate(ids, past_key_values=paged_cache(ours, num_blocks=16, kv_dtype=kv_dtype),
                         **kw)
     if kv_dtype == "int8":  # a different storage: most tokens agree
-        assert (got[:, 24:] == want[:, 24:]).float().mean().item() >= 0.75
+        assert (got[:, 24:] == want.sequences[:, 24:]).float().mean().item() >= 0.75
     else:
-        assert torch.equal(got, want), (got, want)
+        _assert_same_greedy(got, want, prompt_len=24)
+
+
+def _assert_same_greedy(got, want, prompt_len):
+    """Greedy tokens equal the reference's, except that a row may part from it at a step where
+    the reference's two best logits are tied within TIE_ULPS units of the model dtype's rounding
+    (the order of float32 sums then decides, and the two generations go separate ways)."""
+    ref = want.sequences
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert torch.equal(got[:, :prompt_len], ref[:, :prompt_len])
+    eps = torch.finfo(want.scores[0].dtype).eps
+    for row in range(ref.shape[0]):
+        differ = (got[row, prompt_len:] != ref[row, prompt_len:]).nonzero()
+        if len(differ) == 0:
+            continue
+        step = int(differ[0])
+        top2 = want.scores[step][row].float().topk(2).values
+        margin, ulp = (top2[0] - top2[1]).item(), eps * top2[0].abs().item()
+        assert margin <= TIE_ULPS * ulp, (
+            f"row {row} parts from the reference at generated token {step}, where its best two "
+            f"logits are {margin:.3g} apart (> {TIE_ULPS} units of rounding, {ulp:.3g} each)")
 
 
 def test_beam_search(models):
