@@ -298,7 +298,8 @@ KV_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2, "float32": 1e-5, "flo
 # the same with a few key channels 20x larger: the storage itself loses more there (bfloat16's
 # 8-bit significand on the large scores; int8's group scale, set by the outlier, leaves the other
 # 31 channels of its group few levels).  Worst over benchmarks/accuracy.py's grid (10 seeds x 4
-# shapes): bf16 4.6e-2, f16 3.6e-3, int8 1.5e-1 (README, "Storage dtypes"); bounds ~30% above.
+# shapes): bf16 4.6e-2, f16 3.6e-3, int8 1.5e-1 (docs/performance.md, "Accuracy of the storage
+# formats"); bounds ~30% above.
 KV_TOL_OUTLIER = {"bfloat16": 6e-2, "float16": 5e-3, "int8": 2e-1, "float32": 1e-5,
                   "float64": 1e-12}
 

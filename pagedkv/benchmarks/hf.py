@@ -11,7 +11,7 @@ f32 weights:
 * "1b-layers-bf16": the same layer stack with bfloat16 weights (no ``model.float()``): pagedkv
   gets the model's 16-bit tensors as they are; DynamicCache + sdpa runs in bfloat16 too.
 * "h1024" (only with ``--hf-models h1024``): hidden 1024, 4 layers, 16 query heads, 4 KV
-  heads, head_dim 64, MLP 4096.
+  heads, head_dim 64, MLP 4096; 16,384 too with ``--long``.
 
 pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in the model's dtype.  For each
 context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
@@ -52,7 +52,7 @@ BF16_WEIGHTS = ("1b-layers-bf16",)  # models run in bfloat16 (the others in floa
 DEFAULT_MODELS = ("small", "1b-layers", "1b-layers-bf16")
 CONTEXTS = {"small": (512, 4096, 16384), "1b-layers": (512, 4096), "1b-layers-bf16": (512, 4096),
             "h1024": (512, 4096)}
-LONG_CONTEXTS = {"1b-layers": (16384,), "1b-layers-bf16": (16384,)}
+LONG_CONTEXTS = {"1b-layers": (16384,), "1b-layers-bf16": (16384,), "h1024": (16384,)}
 STORAGE = ("float32", "bfloat16")
 DYN = "dynamic-sdpa"
 

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--long", action="store_true",
                    help="hf suite: also 16,384-token contexts for the Llama-3.2-1B-shaped layers "
-                        "(minutes)")
+                        "and h1024 (minutes)")
     p.add_argument("--hf-models", default=None, metavar="LIST",
                    help="hf suite: models, of small, 1b-layers, 1b-layers-bf16, h1024 "
                         "(default small,1b-layers,1b-layers-bf16)")
