@@ -480,15 +480,40 @@ def _every_group_back(b):
     assert st.free_blocks == st.num_blocks
 
 
-def test_sliding_family_windows():
-    """The families below do have sliding layers with the window of the tests."""
+@pytest.mark.parametrize("name", SLIDING_FAMILIES)
+def test_sliding_window_convention_is_the_references_mask(name):
+    """The reference model's own sliding mask (sdpa's boolean one, or eager's additive one)
+    over a 20-token prompt: a PagedKVCache with ``window=config.sliding_window`` attends
+    exactly under it (NumPy softmax over the allowed keys)."""
     import test_hf_families as fam
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    from pagedkv import PagedKVCache
     from pagedkv.integrations.hf import layer_windows
 
-    for name in SLIDING_FAMILIES:
-        windows = layer_windows(_family(name)[0].config.get_text_config(decoder=True))
-        assert fam.WINDOW in windows, name
-    assert layer_windows(_family("qwen2_sliding")[0].config) == [None, fam.WINDOW]
+    _, ref = _family(name)
+    cfg = ref.config.get_text_config(decoder=True)
+    assert fam.WINDOW in layer_windows(cfg)
+    T = 20
+    mask = create_sliding_window_causal_mask(
+        cfg, torch.zeros(1, T, cfg.hidden_size), torch.ones(1, T, dtype=torch.long), None,
+        position_ids=torch.arange(T)[None], allow_is_causal_skip=False)[0, 0]
+    allowed = (mask if mask.dtype == torch.bool else mask == 0).numpy()
+    assert allowed.sum(1).max() == cfg.sliding_window
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((T, 4, 16), dtype=np.float32)
+    k = rng.standard_normal((T, 2, 16), dtype=np.float32)
+    v = rng.standard_normal((T, 2, 16), dtype=np.float32)
+    c = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16)
+    sid = c.add_sequence()
+    c.append(sid, k, v)
+    got = c.attend(sid, q, scale=0.25, window=cfg.sliding_window)
+    kr, vr = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)        # [T, Hq, D]
+    s = np.einsum("ihd,jhd->hij", q, kr).astype(np.float64) * 0.25
+    s = np.where(allowed[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hij,jhd->ihd", p / p.sum(-1, keepdims=True), vr)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", SLIDING_FAMILIES)

@@ -188,7 +188,7 @@ def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry,
         lo, hi = (mid, hi) if nbytes(blocks(mid)) <= budget else (lo, mid)
     out = blocks(lo)
     if min(out.values()) < 1:
-        name = min(per_block, key=lambda g: -per_block[g])
+        name = max(per_block, key=per_block.get)
         raise ValueError(f"kv_cache_bytes={budget} holds no block of every layer group (a "
                          f"block of {name!r} is {per_block[name]} bytes: block_size "
                          f"{block_size}, {len(groups[name][1])} layers, "
