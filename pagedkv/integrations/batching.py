@@ -124,19 +124,16 @@ def model_geometry(model) -> Dict[str, object]:
 
 
 def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],
-                       block_size: int, geometry: Dict[str, object], kv_dtype: Optional[str],
-                       default_tokens: Optional[int] = None) -> int:
-    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both);
-    with neither, ``default_tokens`` worth of blocks capped at 1 GiB (or a TypeError)."""
+                       block_size: int, geometry: Dict[str, object],
+                       kv_dtype: Optional[str]) -> int:
+    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both;
+    TypeError with neither)."""
     if num_blocks is not None and kv_cache_bytes is not None:
         raise TypeError("give num_blocks or kv_cache_bytes, not both")
     if num_blocks is not None:
         return num_blocks
     if kv_cache_bytes is None:
-        if default_tokens is None:
-            raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
-        cap = num_blocks_for_bytes(_DEFAULT_BYTES, block_size, kv_dtype=kv_dtype, **geometry)
-        return max(1, min(cap, -(-int(default_tokens) // int(block_size))))
+        raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
     return num_blocks_for_bytes(kv_cache_bytes, block_size, kv_dtype=kv_dtype, **geometry)
 
 
