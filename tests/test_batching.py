@@ -568,6 +568,11 @@ def test_sliding_group_blocks_stay_bounded(name):
                     continue
                 n = 1 if decoding else chunk
                 assert c.seq_len(sid) <= keep + n
+                # one run of stream positions, each where it was written in its block:
+                # the blocks the scheduler counts
+                kept = c.kept_positions(sid)
+                assert list(kept) == list(range(kept[0], kept[-1] + 1))
+                assert held == -(-(int(kept[-1]) + 1) // bs) - int(kept[0]) // bs
                 assert held <= -(-(keep + n) // bs) + 1, (steps, held)
         if decoding and b.stats().running == 3:
             assert b.groups[SL].num_blocks - b.groups[SL].num_free_blocks <= 3 * 3
