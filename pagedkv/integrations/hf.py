@@ -5,8 +5,8 @@
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
     print(cache.paged.stats())                           # the PagedKVCache underneath
 
-Many requests at once: ``ContinuousBatcher`` (continuous batching on one pool; it lives in
-``pagedkv/integrations/batching.py`` and is re-exported here).
+Many requests at once: ``ContinuousBatcher`` (continuous batching on the same layer groups;
+it lives in ``pagedkv/integrations/batching.py`` and is re-exported here).
 
 Needs the ``hf`` extra (``pip install 'pagedkv[hf]'``: transformers 5.x and torch); ``import
 pagedkv`` never imports either.  Inference only (no autograd through the attention).
