@@ -4,7 +4,8 @@ A tiny random Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16, vocabular
 reference is a second module with the same weights that keeps transformers' sdpa attention
 and DynamicCache, generating one prompt at a time.  Greedy tokens must be identical.  Small
 ``max_batch_tokens`` values force prompts to be prefilled in chunks next to decoding requests;
-small pools force preemption.
+small pools force preemption.  The second half runs the sliding-window and hybrid families of
+test_hf_families (one sequence per layer group) against their own generate().
 """
 import importlib.util
 import os
