@@ -134,10 +134,10 @@ def _run_batcher(model, prompts, arrivals, new) -> dict:
             first.setdefault(ev.request_id, time.perf_counter() - t0)
     end = time.perf_counter() - t0
     out = b.run()
-    st = b.cache.stats()
+    peak = sum(c.stats().peak_blocks_used * c.bytes_per_block for c in b.groups.values())
     return dict(tokens=[out[r] for r in rids], end=end,
                 ttft=[first[r] - arrivals[i] for i, r in enumerate(rids)],
-                kv_peak_bytes=st.peak_blocks_used * st.bytes_per_block,
+                kv_peak_bytes=peak,
                 preemptions=b.stats().preemptions)
 
 

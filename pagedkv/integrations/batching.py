@@ -20,19 +20,29 @@ no mask at all) and ``logits_to_keep`` = the rows that end a request's input.  T
 step travels to the ``"pagedkv"`` attention function as the keyword argument
 ``pagedkv_step``; for every layer it writes the new K/V into each request's pages and runs
 each request over its own pages: ``append_batch`` + ``attend_batch`` for all decode tokens
-at once, ``append`` + causal ``attend`` for each prefill chunk.  Nothing is padded and no
-request sees another's keys.
+at once, ``append`` + causal ``attend`` for each prefill chunk, in the layer's group.  Nothing
+is padded and no request sees another's keys.
 
-Scheduling (vLLM v1's policy, in blocks of the one pool):
+Layer groups (as ``paged_cache``: ``hf.layer_groups``): the layers of one attention type
+share a ``PagedKVCache``, and a request holds one sequence in each group's cache.  A full
+group keeps every token; a sliding group with window W keeps each sequence's last W - 1 tokens
+before a step (``StreamingLLM(0, W - 1)``: blocks that left the window return to its pool) and
+its kernels mask with ``window=W``, so it holds at most about ``ceil((W + n) / block_size) + 1``
+blocks of a request that gets n tokens in a step.  Learned sinks (gpt-oss) and logit
+softcapping (Gemma 2) pass to the kernels.  Prefix caching is refused with sliding groups (the
+tokens they keep form no prefix).
+
+Scheduling (vLLM v1's policy, in blocks of every group's pool):
 
 - Running requests first, in admission order: a decode token each, or the next chunk of a
   prompt (chunked prefill) while ``max_batch_tokens`` lasts.  When the blocks a request needs
-  for this step are not free, the newest running request is preempted: its sequence is freed
-  and it goes back to the front of the queue; later it is recomputed from its prompt plus the
-  tokens it had generated (with prefix caching most of that is a cache hit).
+  for this step are not free in some group, the newest running request is preempted: its
+  sequences are freed and it goes back to the front of the queue; later it is recomputed from
+  its prompt plus the tokens it had generated (with prefix caching most of that is a cache
+  hit).
 - Then waiting requests, oldest first, while the step's token budget, ``max_seqs`` and the free
   blocks allow (none are admitted in a step that had to preempt).
-- A request that could never fit (more blocks than the pool or one sequence may hold) is
+- A request that could never fit (more blocks than a pool or one sequence may hold) is
   refused by ``add_request``.
 
 Greedy requests produce exactly the tokens of the prompt's own ``model.generate(...)``; sampled
@@ -77,10 +87,7 @@ def num_blocks_for_bytes(kv_cache_bytes: int, block_size: int, num_kv_heads: int
     scales included for int8); ValueError when not even one does."""
     if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, (int, np.integer)):
         raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
-    probe = CacheCore(1, block_size, num_kv_heads, head_dim, num_layers, dtype, 1, None,
-                      None, None, kv_dtype=kv_dtype, raw16=dtype in _HALF)
-    per_block = int(probe.bytes_per_block)
-    del probe
+    per_block = _bytes_per_block(block_size, num_kv_heads, head_dim, num_layers, dtype, kv_dtype)
     n = int(kv_cache_bytes) // per_block
     if n < 1:
         raise ValueError(f"kv_cache_bytes={int(kv_cache_bytes)} holds no block of "
@@ -89,8 +96,16 @@ def num_blocks_for_bytes(kv_cache_bytes: int, block_size: int, num_kv_heads: int
     return n
 
 
+def _bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
+                     dtype: str, kv_dtype: Optional[str]) -> int:
+    probe = CacheCore(1, block_size, num_kv_heads, head_dim, num_layers, dtype, 1, None,
+                      None, None, kv_dtype=kv_dtype, raw16=dtype in _HALF)
+    return int(probe.bytes_per_block)
+
+
 def model_geometry(model) -> Dict[str, object]:
-    """Cache geometry of a transformers decoder: layers, KV heads, head dim, dtype."""
+    """Cache geometry of a transformers decoder: layers, KV heads, head dim, dtype (raises
+    for a model off the CPU, another dtype or an encoder-decoder model)."""
     config = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu":
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
@@ -98,6 +113,9 @@ def model_geometry(model) -> Dict[str, object]:
     if dtype is None:
         raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
                         f"is {model.dtype}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
+                                  "has no cross-attention cache")
     num_heads = int(config.num_attention_heads)
     return dict(num_layers=int(config.num_hidden_layers),
                 num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
@@ -106,38 +124,99 @@ def model_geometry(model) -> Dict[str, object]:
 
 
 def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],
-                       block_size: int, geometry: Dict[str, object], kv_dtype: Optional[str],
-                       default_tokens: Optional[int] = None) -> int:
-    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both);
-    with neither, ``default_tokens`` worth of blocks capped at 1 GiB (or a TypeError)."""
+                       block_size: int, geometry: Dict[str, object],
+                       kv_dtype: Optional[str]) -> int:
+    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both;
+    TypeError with neither)."""
     if num_blocks is not None and kv_cache_bytes is not None:
         raise TypeError("give num_blocks or kv_cache_bytes, not both")
     if num_blocks is not None:
         return num_blocks
     if kv_cache_bytes is None:
-        if default_tokens is None:
-            raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
-        cap = num_blocks_for_bytes(_DEFAULT_BYTES, block_size, kv_dtype=kv_dtype, **geometry)
-        return max(1, min(cap, -(-int(default_tokens) // int(block_size))))
+        raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
     return num_blocks_for_bytes(kv_cache_bytes, block_size, kv_dtype=kv_dtype, **geometry)
 
 
-def _unsupported_attention(model) -> Optional[str]:
-    """Why the batcher cannot run this model's attention yet (None when it can)."""
-    config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None)
-    if types and any(t != "full_attention" for t in types):
-        return f"layer types {sorted(set(types))} (only full attention layers are supported)"
-    if getattr(config, "sliding_window", None) is not None and \
-            getattr(config, "use_sliding_window", True):
-        return f"sliding_window={config.sliding_window}"
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"{name}={getattr(config, name)}"
-    for mod in model.modules():
-        if getattr(mod, "sinks", None) is not None and hasattr(mod, "layer_idx"):
-            return "learned attention sinks"
-    return None
+def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry, kv_dtype,
+                  default_tokens: int, caps: Dict[str, Optional[int]]) -> Dict[str, int]:
+    """{group name: blocks} of the batcher's pools.
+
+    ``num_blocks``: an int for every group, or a dict {group name: blocks}.  ``kv_cache_bytes``:
+    a budget split so that every group gets the same number of blocks n, except that a group
+    with a cap (a sliding group: more blocks than its running requests can ever hold at once)
+    gets min(n, cap) and the rest goes to the others; n is the largest that fits.  Neither:
+    ``default_tokens`` worth of blocks per group (capped the same way), at most 1 GiB in all.
+    """
+    if num_blocks is not None and kv_cache_bytes is not None:
+        raise TypeError("give num_blocks or kv_cache_bytes, not both")
+    if isinstance(num_blocks, dict):
+        unknown = sorted(set(num_blocks) - set(groups))
+        missing = sorted(set(groups) - set(num_blocks))
+        if unknown or missing:
+            raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
+                             f"{sorted(groups)}")
+        return dict(num_blocks)
+    if num_blocks is not None:
+        return {name: num_blocks for name in groups}
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or
+                                       not isinstance(kv_cache_bytes, (int, np.integer))):
+        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
+    per_block = {name: _bytes_per_block(block_size, geometry["num_kv_heads"],
+                                        geometry["head_dim"], len(layers), geometry["dtype"],
+                                        kv_dtype)
+                 for name, (_, layers) in groups.items()}
+
+    def blocks(n: int) -> Dict[str, int]:
+        return {name: n if caps.get(name) is None else min(n, caps[name]) for name in groups}
+
+    def nbytes(of: Dict[str, int]) -> int:
+        return sum(of[name] * per_block[name] for name in groups)
+
+    if kv_cache_bytes is None:
+        want = blocks(max(1, -(-int(default_tokens) // int(block_size))))
+        if nbytes(want) <= _DEFAULT_BYTES:
+            return want
+        budget = _DEFAULT_BYTES
+    else:
+        budget = int(kv_cache_bytes)
+    lo, hi = 0, budget // min(per_block.values()) + 1   # nbytes(blocks(lo)) <= budget < ...(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if nbytes(blocks(mid)) <= budget else (lo, mid)
+    out = blocks(lo)
+    if min(out.values()) < 1:
+        name = max(per_block, key=per_block.get)
+        raise ValueError(f"kv_cache_bytes={budget} holds no block of every layer group (a "
+                         f"block of {name!r} is {per_block[name]} bytes: block_size "
+                         f"{block_size}, {len(groups[name][1])} layers, "
+                         f"{geometry['num_kv_heads']} KV heads of {geometry['head_dim']}, "
+                         f"{kv_dtype or geometry['dtype']})")
+    return out
+
+
+def kernel_options(layer_idx: int, window: Optional[int], kwargs) -> Dict[str, object]:
+    """The kernels' ``window`` / ``softcap`` / ``sinks`` from the keyword arguments a model's
+    attention module passes (``sliding_window``, ``softcap``, ``s_aux``), for a layer whose
+    group was built for ``window`` (None: full attention).  Raises NotImplementedError for
+    another window or an option pagedkv lacks, and for dropout."""
+    got = kwargs.get("sliding_window")
+    if got is not None and got != window:
+        raise NotImplementedError(
+            f"layer {layer_idx} attends with sliding_window={got} but its pagedkv group was "
+            f"built for {window}; pass the model whose config made the cache")
+    if got is None and window is not None:
+        raise NotImplementedError(
+            f"layer {layer_idx} attends without a sliding window but the config names it a "
+            "sliding-window layer")
+    for name in ("attention_chunk_size", "alibi_slopes"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the pagedkv attention does not support {name}")
+    if kwargs.get("dropout"):
+        raise NotImplementedError("the pagedkv attention is for inference: dropout must be 0 "
+                                  "(call model.eval())")
+    s_aux = kwargs.get("s_aux")
+    sinks = None if s_aux is None else s_aux.detach().to(torch.float64).reshape(-1).numpy()
+    return dict(window=window, softcap=kwargs.get("softcap"), sinks=sinks)
 
 
 # ---------------------------------------------------------------------------
@@ -151,58 +230,94 @@ def _numpy(t) -> np.ndarray:
     return t.numpy()
 
 
+class _Group:
+    """One layer group of the batcher: its window (None: full attention), its layers (model
+    indices) and its PagedKVCache.  ``keep`` is what a sliding group keeps before each step
+    (window - 1 tokens); None for a full group."""
+
+    __slots__ = ("name", "window", "layers", "cache", "keep")
+
+    def __init__(self, name: str, window: Optional[int], layers: List[int],
+                 cache: PagedKVCache):
+        self.name = name
+        self.window = window
+        self.layers = layers
+        self.cache = cache
+        self.keep = None if cache.streaming is None else cache.streaming.window_tokens
+
+    def blocks_after(self, computed: int, n: int) -> int:
+        """Blocks a sequence holding ``computed`` tokens of its stream holds once n more are
+        appended (a sliding group first drops the blocks that left what it keeps; a slot's
+        place in its block is its stream position modulo the block size)."""
+        bs = self.cache.block_size
+        first = 0 if self.keep is None else max(computed - self.keep, 0)
+        return -(-(computed + n) // bs) - first // bs
+
+    def peak_blocks(self, total: int, chunk: int) -> int:
+        """Blocks one request of ``total`` stored tokens can hold at once when it gets up to
+        ``chunk`` tokens a step: all of them in a full group; in a sliding group what it keeps
+        plus a chunk, one more for a window that straddles blocks."""
+        bs = self.cache.block_size
+        whole = -(-total // bs)
+        if self.keep is None:
+            return whole
+        return min(whole, -(-(self.keep + min(chunk, total)) // bs) + 1)
+
+
 class _StepPlan:
     """One step's packed row, as the attention function needs it.
 
-    Rows ``[0, num_decode)`` are one token of each decoding sequence (``decode_sids``); then
-    ``chunks`` lists ``(sid, first row, n)`` of each prefill chunk.  ``decode_ids`` are the
+    Rows ``[0, num_decode)`` are one token of each decoding request; then ``chunks`` lists
+    ``(first row, n)`` of each prefill chunk.  Per layer group g, ``decode_sids[g]`` and
+    ``chunk_sids[g]`` are the requests' sequences in that group's cache.  ``layer_of`` maps a
+    model layer to (group index, layer index in the group's cache).  ``decode_ids`` are the
     decode tokens' ids (for prefix caching, else None).
     """
 
-    __slots__ = ("cache", "decode_sids", "decode_ids", "chunks", "num_tokens")
+    __slots__ = ("groups", "layer_of", "decode_sids", "decode_ids", "chunks", "chunk_sids",
+                 "num_tokens")
 
-    def __init__(self, cache: PagedKVCache, decode_sids: np.ndarray,
-                 decode_ids: Optional[List[int]], chunks: List[Tuple[int, int, int]],
-                 num_tokens: int):
-        self.cache = cache
+    def __init__(self, groups: List[_Group], layer_of: List[Tuple[int, int]],
+                 decode_sids: List[np.ndarray], decode_ids: Optional[List[int]],
+                 chunks: List[Tuple[int, int]], chunk_sids: List[List[int]], num_tokens: int):
+        self.groups = groups
+        self.layer_of = layer_of
         self.decode_sids = decode_sids
         self.decode_ids = decode_ids
         self.chunks = chunks
+        self.chunk_sids = chunk_sids
         self.num_tokens = num_tokens
 
     def attend(self, module, query, key, value, scaling, kwargs) -> "torch.Tensor":
-        """Write this layer's new K/V into the pages and attend; query [1, Hq, T, D] ->
-        [1, T, Hq, D]."""
-        for name in ("sliding_window", "softcap", "s_aux"):
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(f"ContinuousBatcher does not support {name}")
-        if kwargs.get("dropout"):
-            raise NotImplementedError("the pagedkv attention is for inference: dropout must "
-                                      "be 0 (call model.eval())")
+        """Write this layer's new K/V into the pages of its group and attend; query
+        [1, Hq, T, D] -> [1, T, Hq, D]."""
+        g, layer = self.layer_of[module.layer_idx]
+        group = self.groups[g]
+        opts = kernel_options(module.layer_idx, group.window, kwargs)
         _, hq, T, D = query.shape
         if query.shape[0] != 1 or T != self.num_tokens or key.shape[2] != T:
             raise ValueError(f"ContinuousBatcher planned one row of {self.num_tokens} tokens; "
                              f"the attention got queries {tuple(query.shape)} and keys "
                              f"{tuple(key.shape)}")
-        layer = module.layer_idx
-        cache = self.cache
+        cache = group.cache
         q = _numpy(query[0].transpose(0, 1))     # [T, Hq, D] (views)
         k = _numpy(key[0].transpose(0, 1))       # [T, Hkv, D]
         v = _numpy(value[0].transpose(0, 1))
         out = torch.empty((1, T, hq, D), dtype=query.dtype)
         o = _numpy(out)[0]
-        B = len(self.decode_sids)
+        sids = self.decode_sids[g]
+        B = len(sids)
         if B:
             if layer == 0 and self.decode_ids is not None:
-                cache.append_batch(self.decode_sids, k[:B], v[:B], layer=0,
-                                   token_ids=self.decode_ids)
+                cache.append_batch(sids, k[:B], v[:B], layer=0, token_ids=self.decode_ids)
             else:
-                cache.append_batch(self.decode_sids, k[:B], v[:B], layer=layer)
-            cache.attend_batch(self.decode_sids, q[:B], layer=layer, scale=scaling, out=o[:B])
-        for sid, start, n in self.chunks:
+                cache.append_batch(sids, k[:B], v[:B], layer=layer)
+            cache.attend_batch(sids, q[:B], layer=layer, scale=scaling, out=o[:B], **opts)
+        for sid, (start, n) in zip(self.chunk_sids[g], self.chunks):
             stop = start + n
             cache.append(sid, k[start:stop], v[start:stop], layer=layer)
-            cache.attend(sid, q[start:stop], layer=layer, scale=scaling, out=o[start:stop])
+            cache.attend(sid, q[start:stop], layer=layer, scale=scaling, out=o[start:stop],
+                         **opts)
         return out
 
 
@@ -235,17 +350,18 @@ class BatcherStats:
     prefix_hit_tokens: int        # tokens whose K/V came from the prefix cache at admission
     step_seconds: float           # time spent in step()
     tokens_per_s: float           # generated_tokens / step_seconds
-    num_blocks: int               # blocks in the pool (chosen from kv_cache_bytes, or given)
+    num_blocks: int               # blocks in the pools (chosen from kv_cache_bytes, or given)
     block_size: int
     free_blocks: int
-    kv_cache_bytes: int           # num_blocks * bytes per block
+    kv_cache_bytes: int           # blocks * bytes per block, every pool
     max_batch_tokens: int
     max_seqs: int
+    group_blocks: Dict[str, Tuple[int, int]]  # {layer group: (blocks, free blocks)}
 
 
 class _Request:
     __slots__ = ("rid", "tokens", "num_prompt", "max_new", "eos", "do_sample", "temperature",
-                 "top_k", "top_p", "generator", "sid", "computed", "state", "t_added",
+                 "top_k", "top_p", "generator", "sids", "computed", "state", "t_added",
                  "t_first")
 
     def __init__(self, rid, tokens, max_new, eos, do_sample, temperature, top_k, top_p, seed):
@@ -265,8 +381,8 @@ class _Request:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(seed)
-        self.sid: Optional[int] = None
-        self.computed = 0                        # tokens whose K/V are in the cache
+        self.sids: Optional[List[int]] = None    # its sequence in each group's cache
+        self.computed = 0                        # tokens whose K/V are in the caches
         self.state = "waiting"                   # waiting | running | finished | aborted
         self.t_added = time.perf_counter()
         self.t_first: Optional[float] = None
@@ -280,21 +396,30 @@ class _Request:
 
 
 class ContinuousBatcher:
-    """Serve many generation requests at once on one ``PagedKVCache`` (see the module
-    docstring for the packing and the scheduling).
+    """Serve many generation requests at once on pagedkv's pages (see the module docstring
+    for the packing, the scheduling and the layer groups).
 
     Args:
         model: a transformers decoder (float32, float64, bfloat16 or float16, on the CPU), e.g.
-            LlamaForCausalLM.  It is switched to the ``"pagedkv"`` attention (which falls back
-            to sdpa whenever it is called without pagedkv's cache or batcher).
-        num_blocks: blocks in the pool, or None to size it by ``kv_cache_bytes``.
+            LlamaForCausalLM, MistralForCausalLM, Gemma2ForCausalLM.  It is switched to the
+            ``"pagedkv"`` attention (which falls back to transformers' attention whenever it
+            is called without pagedkv's cache or batcher).
+        num_blocks: blocks in each layer group's pool, a dict {group name: blocks}, or None to
+            size the pools by ``kv_cache_bytes``.
         block_size: tokens per block.
         kv_dtype: K/V storage dtype (None: the model's; "bfloat16", "float16", "int8", ...).
-        prefix_caching: prompts sharing full blocks of tokens reuse their K/V.
+        prefix_caching: prompts sharing full blocks of tokens reuse their K/V (not with
+            sliding-window layers: NotImplementedError).
         max_batch_tokens: tokens in one step's packed row at most (decodes + prefill chunks).
         max_seqs: requests running at once at most.
-        kv_cache_bytes: a memory budget for the pool instead of ``num_blocks``.  With neither,
-            room for ``max_seqs`` sequences of 2048 tokens, at most 1 GiB.
+        kv_cache_bytes: a memory budget for the pools instead of ``num_blocks``.  With neither,
+            room for ``max_seqs`` sequences of 2048 tokens, at most 1 GiB.  A sliding group
+            gets no more blocks than its running requests can hold at once; the rest of the
+            budget goes to the other groups.
+
+    Raises:
+        NotImplementedError: the model has layers pagedkv cannot run, or ``prefix_caching``
+            with sliding-window layers (the messages name them).
     """
 
     def __init__(self, model, num_blocks: Optional[int] = None, block_size: int = 16,
@@ -307,19 +432,40 @@ class ContinuousBatcher:
                           ("block_size", block_size)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-        why = _unsupported_attention(model)
-        if why is not None:
-            raise NotImplementedError(f"ContinuousBatcher cannot run {type(model).__name__} "
-                                      f"yet: {why}")
         geometry = model_geometry(model)
         config = model.config.get_text_config(decoder=True)
-        num_blocks = resolve_num_blocks(num_blocks, kv_cache_bytes, block_size, geometry,
-                                        kv_dtype, default_tokens=max_seqs * _DEFAULT_TOKENS_PER_SEQ)
-        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size,
-                                  kv_dtype=kv_dtype, max_seqs=max_seqs,
-                                  prefix_caching=prefix_caching,
-                                  raw16=geometry["dtype"] in _HALF, **geometry)
+        windows = hf.layer_windows(config)
+        layer_groups = hf.group_layers(windows)
+        sliding = {name: w for name, (w, _) in layer_groups.items() if w is not None}
+        if prefix_caching and sliding:
+            raise NotImplementedError(
+                f"ContinuousBatcher(prefix_caching=True) with sliding-window layers "
+                f"({', '.join(f'{n!r}: window {w}' for n, w in sliding.items())}) in "
+                f"{type(model).__name__}: a sliding group keeps only each sequence's last "
+                "tokens, so a cached prefix would lack the K/V its sliding layers need; "
+                "use prefix_caching=False")
+        keep = {name: hf.sliding_policy(w).window_tokens for name, w in sliding.items()}
+        # more blocks than a sliding group's running requests ever hold at once: what each
+        # keeps plus two straddled blocks, and the step's tokens
+        caps = {name: int(max_seqs) * (-(-r // block_size) + 2) + -(-int(max_batch_tokens) //
+                                                                  block_size)
+                for name, r in keep.items()}
+        blocks_of = _group_blocks(num_blocks, kv_cache_bytes, layer_groups, block_size,
+                                  geometry, kv_dtype, max_seqs * _DEFAULT_TOKENS_PER_SEQ, caps)
+        self._groups: List[_Group] = []
+        self._layer_of: List[Tuple[int, int]] = [(0, 0)] * len(windows)
+        for name, (w, layers) in layer_groups.items():
+            cache = PagedKVCache(num_blocks=blocks_of[name], block_size=block_size,
+                                 kv_dtype=kv_dtype, max_seqs=max_seqs,
+                                 prefix_caching=prefix_caching,
+                                 streaming=None if w is None else hf.sliding_policy(w),
+                                 raw16=geometry["dtype"] in _HALF,
+                                 **dict(geometry, num_layers=len(layers)))
+            for local, i in enumerate(layers):
+                self._layer_of[i] = (len(self._groups), local)
+            self._groups.append(_Group(name, w, layers, cache))
         self.model = model
+        self._prefix_caching = bool(prefix_caching)
         self.vocab_size = int(config.vocab_size)
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_seqs = int(max_seqs)
@@ -331,9 +477,9 @@ class ContinuousBatcher:
         self._requests: Dict[int, _Request] = {}
         self._waiting: Deque[_Request] = collections.deque()
         self._running: List[_Request] = []
-        # (request id, free blocks) of the last admission that did not fit: not retried
-        # until the free blocks change (a retry would repeat the prefix lookup for nothing)
-        self._blocked: Optional[Tuple[int, int]] = None
+        # (request id, free blocks of each group) of the last admission that did not fit:
+        # not retried until the free blocks change (a retry would repeat the prefix lookup)
+        self._blocked: Optional[Tuple[int, Tuple[int, ...]]] = None
         self._next_id = 0
         self._preemptions = 0
         self._steps = 0
@@ -343,6 +489,21 @@ class ContinuousBatcher:
         self._seconds = 0.0
         self._finished = 0
         self._aborted = 0
+
+    @property
+    def groups(self) -> Dict[str, PagedKVCache]:
+        """{layer group name: its PagedKVCache}: "full_attention", "sliding_attention" (as
+        ``hf.layer_groups(model)``)."""
+        return {g.name: g.cache for g in self._groups}
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The PagedKVCache of a model with one layer group (see ``groups`` otherwise)."""
+        if len(self._groups) != 1:
+            raise AttributeError(f"this model's layers form {len(self._groups)} groups "
+                                 f"({', '.join(g.name for g in self._groups)}), each with its "
+                                 "own PagedKVCache: use batcher.groups[name]")
+        return self._groups[0].cache
 
     # ------------------------------------------------------------------
     # requests
@@ -390,12 +551,15 @@ class ContinuousBatcher:
                                      not isinstance(seed, (int, np.integer))):
                 raise ValueError(f"seed must be None or an int, got {seed!r}")
         # the K/V of the prompt and of every generated token but the last
-        need = -(-(len(tokens) + max_new - 1) // self.cache.block_size)
-        limit = min(self.cache.num_blocks, self.cache.max_blocks_per_seq)
-        if need > limit:
-            raise ValueError(f"the request needs up to {need} blocks ({len(tokens)} prompt + "
-                             f"{max_new} new tokens, block_size {self.cache.block_size}) but "
-                             f"the pool holds {limit}: it could never run")
+        total = len(tokens) + max_new - 1
+        for g in self._groups:
+            need = g.peak_blocks(total, self.max_batch_tokens)
+            limit = min(g.cache.num_blocks, g.cache.max_blocks_per_seq)
+            if need > limit:
+                raise ValueError(f"the request needs up to {need} blocks of the {g.name!r} "
+                                 f"layers ({len(tokens)} prompt + {max_new} new tokens, "
+                                 f"block_size {g.cache.block_size}) but their pool holds "
+                                 f"{limit}: it could never run")
         rid = self._next_id
         self._next_id += 1
         req = _Request(rid, tokens, max_new, eos, do_sample, float(temperature), int(top_k),
@@ -441,7 +605,7 @@ class ContinuousBatcher:
         return bool(self._running or self._waiting)
 
     def abort(self, request_id: int) -> bool:
-        """Stop a request now and return its blocks to the pool.  True if it was waiting or
+        """Stop a request now and return its blocks to the pools.  True if it was waiting or
         running, False if it had already finished or been aborted; KeyError for an id this
         batcher never gave out or whose output ``run`` already returned."""
         req = self._requests.get(request_id)
@@ -500,16 +664,19 @@ class ContinuousBatcher:
         plan_chunks = []
         for req, n in chunks:
             c = req.computed
-            plan_chunks.append((req.sid, len(ids), n))
+            plan_chunks.append((len(ids), n))
             ids.extend(req.tokens[c:c + n])
             pos.extend(range(c, c + n))
             if c + n == len(req.tokens):
                 logit_rows.append(len(ids) - 1)
                 sampled.append(req)
         plan = _StepPlan(
-            self.cache, np.array([r.sid for r in decodes], dtype=np.int64),
-            [r.tokens[r.computed] for r in decodes] if self.cache.prefix_caching else None,
-            plan_chunks, len(ids))
+            self._groups, self._layer_of,
+            [np.array([r.sids[g] for r in decodes], dtype=np.int64)
+             for g in range(len(self._groups))],
+            [r.tokens[r.computed] for r in decodes] if self._prefix_caching else None,
+            plan_chunks, [[r.sids[g] for r, _ in chunks] for g in range(len(self._groups))],
+            len(ids))
         try:
             with torch.no_grad():
                 logits = self.model(
@@ -548,23 +715,31 @@ class ContinuousBatcher:
         self._seconds += time.perf_counter() - t0
         return events
 
-    def _blocks_needed(self, req: _Request, n: int) -> int:
-        bs = self.cache.block_size
-        return max(-(-(req.computed + n) // bs) - self.cache.num_seq_blocks(req.sid), 0)
+    def _blocks_needed(self, req: _Request, n: int) -> List[int]:
+        """Blocks each group must hand the request for n more tokens (a sliding group's
+        blocks that leave what it keeps are not counted as returned)."""
+        return [max(g.blocks_after(req.computed, n) - g.cache.num_seq_blocks(sid), 0)
+                for g, sid in zip(self._groups, req.sids)]
+
+    def _free_blocks(self) -> List[int]:
+        return [g.cache.num_free_blocks for g in self._groups]
 
     def _schedule(self) -> Tuple[List[_Request], List[Tuple[_Request, int]]]:
-        cache = self.cache
         budget = self.max_batch_tokens
-        planned = 0
+        planned = [0] * len(self._groups)
         decodes: List[_Request] = []
         chunks: List[Tuple[_Request, int]] = []
         preempted = False
+
+        def short(need: List[int]) -> bool:
+            return any(x > f - p for x, f, p in zip(need, self._free_blocks(), planned))
+
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
             n = min(len(req.tokens) - req.computed, budget)
             need = self._blocks_needed(req, n)
-            while need > cache.num_free_blocks - planned:
+            while short(need):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -572,41 +747,55 @@ class ContinuousBatcher:
                     break
             if req.state != "running":
                 break  # it preempted itself: it was the newest, nothing follows it
-            planned += need
+            planned = [p + x for p, x in zip(planned, need)]
             budget -= n
             (decodes.append(req) if n == 1 else chunks.append((req, n)))
             i += 1
         while (self._waiting and budget > 0 and not preempted
                and len(self._running) < self.max_seqs):
             req = self._waiting[0]
-            if self._blocked == (req.rid, cache.num_free_blocks - planned):
+            free_now = tuple(f - p for f, p in zip(self._free_blocks(), planned))
+            if self._blocked == (req.rid, free_now):
                 break  # it did not fit with exactly these blocks free: no new lookup
-            if cache.prefix_caching:
-                sid = cache.add_sequence(token_ids=req.tokens)
-            else:
-                sid = cache.add_sequence()
-            req.sid, req.computed = sid, cache.seq_len(sid)
+            self._add_sequences(req)
             n = min(len(req.tokens) - req.computed, budget)
             need = self._blocks_needed(req, n)
-            if need > cache.num_free_blocks - planned:
-                cache.free(sid)
-                req.sid, req.computed = None, 0
-                self._blocked = (req.rid, cache.num_free_blocks - planned)
+            if short(need):
+                self._release(req)
+                self._blocked = (req.rid, free_now)
                 break
             self._blocked = None
             self._reused += req.computed
             self._waiting.popleft()
             req.state = "running"
             self._running.append(req)
-            planned += need
+            planned = [p + x for p, x in zip(planned, need)]
             budget -= n
             (decodes.append(req) if n == 1 else chunks.append((req, n)))
         return decodes, chunks
 
+    def _add_sequences(self, req: _Request) -> None:
+        """A sequence for the request in every group (with prefix caching, starting with the
+        cached prefix of its tokens); all or none."""
+        sids: List[int] = []
+        try:
+            for g in self._groups:
+                if self._prefix_caching:
+                    sids.append(g.cache.add_sequence(token_ids=req.tokens))
+                else:
+                    sids.append(g.cache.add_sequence())
+        except BaseException:
+            for g, sid in zip(self._groups, sids):
+                g.cache.free(sid)
+            raise
+        req.sids = sids
+        req.computed = self._groups[0].cache.seq_len(sids[0])
+
     def _release(self, req: _Request) -> None:
-        if req.sid is not None:
-            self.cache.free(req.sid)
-        req.sid = None
+        if req.sids is not None:
+            for g, sid in zip(self._groups, req.sids):
+                g.cache.free(sid)
+        req.sids = None
         req.computed = 0
 
     def _preempt(self, req: _Request, count: bool = True) -> None:
@@ -644,17 +833,22 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------
 
     def stats(self) -> BatcherStats:
-        """A snapshot: queue sizes, preemptions, throughput, the pool's size."""
+        """A snapshot: queue sizes, preemptions, throughput, the pools' sizes (summed over
+        the layer groups; ``group_blocks`` for each)."""
+        groups = {g.name: (g.cache.num_blocks, g.cache.num_free_blocks) for g in self._groups}
         return BatcherStats(
             running=len(self._running), waiting=len(self._waiting), finished=self._finished,
             aborted=self._aborted, preemptions=self._preemptions, steps=self._steps,
             generated_tokens=self._generated, computed_tokens=self._computed,
             prefix_hit_tokens=self._reused, step_seconds=self._seconds,
             tokens_per_s=self._generated / self._seconds if self._seconds > 0 else 0.0,
-            num_blocks=self.cache.num_blocks, block_size=self.cache.block_size,
-            free_blocks=self.cache.num_free_blocks,
-            kv_cache_bytes=self.cache.num_blocks * self.cache.bytes_per_block,
-            max_batch_tokens=self.max_batch_tokens, max_seqs=self.max_seqs)
+            num_blocks=sum(n for n, _ in groups.values()),
+            block_size=self._groups[0].cache.block_size,
+            free_blocks=sum(f for _, f in groups.values()),
+            kv_cache_bytes=sum(g.cache.num_blocks * g.cache.bytes_per_block
+                               for g in self._groups),
+            max_batch_tokens=self.max_batch_tokens, max_seqs=self.max_seqs,
+            group_blocks=groups)
 
     def request_times(self, request_id: int) -> Tuple[float, Optional[float]]:
         """(time added, time of the first generated token or None), ``time.perf_counter``
@@ -663,7 +857,8 @@ class ContinuousBatcher:
         return req.t_added, req.t_first
 
     def __repr__(self) -> str:
+        used = ", ".join(f"{g.name}={g.cache.num_blocks - g.cache.num_free_blocks}/"
+                         f"{g.cache.num_blocks}" for g in self._groups)
         return (f"ContinuousBatcher(running={len(self._running)}, waiting={len(self._waiting)}, "
-                f"blocks={self.cache.num_blocks - self.cache.num_free_blocks}/"
-                f"{self.cache.num_blocks}, max_batch_tokens={self.max_batch_tokens}, "
+                f"blocks: {used}, max_batch_tokens={self.max_batch_tokens}, "
                 f"max_seqs={self.max_seqs})")

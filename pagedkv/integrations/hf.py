@@ -5,8 +5,8 @@
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
     print(cache.paged.stats())                           # the PagedKVCache underneath
 
-Many requests at once: ``ContinuousBatcher`` (continuous batching on one pool; it lives in
-``pagedkv/integrations/batching.py`` and is re-exported here).
+Many requests at once: ``ContinuousBatcher`` (continuous batching on the same layer groups;
+it lives in ``pagedkv/integrations/batching.py`` and is re-exported here).
 
 Needs the ``hf`` extra (``pip install 'pagedkv[hf]'``: transformers 5.x and torch); ``import
 pagedkv`` never imports either.  Inference only (no autograd through the attention).
@@ -76,7 +76,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.integrations.batching import STEP_KWARG, ContinuousBatcher, resolve_num_blocks
+from pagedkv.integrations.batching import (STEP_KWARG, ContinuousBatcher, kernel_options,
+                                           model_geometry, resolve_num_blocks)
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
@@ -131,6 +132,21 @@ def _group_name(window: Optional[int], windows) -> str:
     return SLIDING if len({w for w in windows if w is not None}) == 1 else f"{SLIDING}_{window}"
 
 
+def group_layers(windows: Sequence[Optional[int]]) -> dict:
+    """{group name: (window or None, layer indices)} of ``layer_windows(config)``: the layer
+    groups of ``paged_cache`` and of ``ContinuousBatcher``, in order of first layer."""
+    out: dict = {}
+    for i, w in enumerate(windows):
+        out.setdefault(_group_name(w, windows), (w, []))[1].append(i)
+    return out
+
+
+def sliding_policy(window: int) -> StreamingLLM:
+    """What a sliding group with this window keeps before each step: its last
+    ``window - 1`` tokens (at least 1 for the policy), no sinks."""
+    return StreamingLLM(sink_tokens=0, window_tokens=max(int(window) - 1, 1))
+
+
 def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional[str] = None,
                 streaming: Optional[StreamingLLM] = None, max_seqs: int = 256,
                 kv_cache_bytes: Optional[int] = None) -> "PagedCache":
@@ -168,22 +184,11 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         NotImplementedError: the model has layers pagedkv cannot run (the message names them).
     """
     config = model.config.get_text_config(decoder=True)
-    if model.device.type != "cpu":
-        raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
-    dtype = _DTYPES.get(model.dtype)
-    if dtype is None:
-        raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
-                        f"is {model.dtype}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
-                                  "has no cross-attention cache")
+    geometry = model_geometry(model)  # CPU, dtype and encoder-decoder checks
+    dtype, num_kv_heads, head_dim = (geometry["dtype"], geometry["num_kv_heads"],
+                                     geometry["head_dim"])
     windows = layer_windows(config)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    groups = {}
-    for i, w in enumerate(windows):
-        groups.setdefault(_group_name(w, windows), (w, []))[1].append(i)
+    groups = group_layers(windows)
     if kv_cache_bytes is not None or num_blocks is None:
         num_blocks = _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size,
                                        num_kv_heads, head_dim, dtype, kv_dtype)
@@ -218,8 +223,8 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     caches = {}
     for name, (w, layers) in groups.items():
         kw = dict(base, num_blocks=blocks_of[name], num_layers=len(layers))
-        if w is not None:  # keep the last w - 1 tokens before each step (>= 1 for the policy)
-            kw["streaming"] = StreamingLLM(sink_tokens=0, window_tokens=max(w - 1, 1))
+        if w is not None:  # keep the last w - 1 tokens before each step
+            kw["streaming"] = sliding_policy(w)
         caches[name] = PagedKVCache(**kw)
     if streaming is not None:
         _install_rotary_gate(model)
@@ -232,10 +237,7 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
 def layer_groups(model) -> dict:
     """{group name: layer indices} that ``paged_cache(model, ...)`` would build."""
     windows = layer_windows(model.config.get_text_config(decoder=True))
-    out: dict = {}
-    for i, w in enumerate(windows):
-        out.setdefault(_group_name(w, windows), []).append(i)
-    return out
+    return {name: layers for name, (_, layers) in group_layers(windows).items()}
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,
@@ -533,26 +535,8 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
                          scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None and window != layer.window:
-        raise NotImplementedError(
-            f"layer {layer.layer_idx} attends with sliding_window={window} but its pagedkv group "
-            f"was built for {layer.window}; pass the model whose config made the cache")
-    if window is None and layer.window is not None:
-        raise NotImplementedError(
-            f"layer {layer.layer_idx} attends without a sliding window but the config names it "
-            "a sliding-window layer")
-    for name in ("attention_chunk_size", "alibi_slopes"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the pagedkv attention does not support {name}")
-    if dropout:
-        raise NotImplementedError("the pagedkv attention is for inference: dropout must be 0 "
-                                  "(call model.eval())")
-    sinks = None
-    if s_aux is not None:
-        sinks = s_aux.detach().to(torch.float64).reshape(-1).numpy()
-    return layer.attend(query, attention_mask, scaling, window=window, softcap=softcap,
-                        sinks=sinks), None
+    opts = kernel_options(layer.layer_idx, layer.window, dict(kwargs, dropout=dropout))
+    return layer.attend(query, attention_mask, scaling, **opts), None
 
 
 class PagedCache(Cache):
