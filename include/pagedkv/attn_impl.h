@@ -144,22 +144,27 @@ static inline void KFN(tile_scores)(const T *restrict q, const int *rows, int na
         }
         return;
     }
-    for (int a = 0; a < na; a += 4) {
-        const int nr = na - a < 4 ? na - a : 4;
-        const T *qr[4];
-        for (int r = 0; r < 4; r++) qr[r] = q + (size_t)rows[a + (r < nr ? r : 0)] * d;
-        int v = 0;
-        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
-            KFN(sc_4xn)(qr, e + v, stride, d, res, ps);
+    /* key vectors outer, row groups inner: the NV key vectors' K^T slices stay in
+     * L1 while every group of rows reuses them (see tile_values) */
+    const int ngr = (na + 3) / 4;
+    const T *qr[PKV_MAX_ROWS + 4];
+    for (int a = 0; a < ngr * 4; a++) /* a short last group repeats its first row */
+        qr[a] = q + (size_t)rows[a < na ? a : a - a % 4] * d;
+    int v = 0;
+    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            KFN(sc_4xn)(qr + 4 * g, e + v, stride, d, res, ps);
             for (int r = 0; r < nr; r++)
                 for (int u = 0; u < PKV_SC_NV; u++)
-                    KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+                    KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
         }
-        for (; v < ne; v++) {
-            KFN(sc_4x1)(qr, e + v, stride, d, res, ps);
-            for (int r = 0; r < nr; r++) KFN(put_lanes)(sbuf + (size_t)(a + r) * ldc, e + v, res[r]);
+    for (; v < ne; v++)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            KFN(sc_4x1)(qr + 4 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++) KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
         }
-    }
 }
 
 /* Scores of one key at a time, for blocks narrower than a vector (bs < W):
@@ -276,47 +281,52 @@ static inline T KFN(vget)(const KFN(run_t) *u, int j, int i, size_t bs, int d) {
 
 /* acc rows = acc * alpha + P . V over the tile's runs; rows as in
  * tile_scores (a short last group writes its extra rows to `spare`, d
- * values of scratch). */
+ * values of scratch).  The dimension chunk is the outer loop and the row
+ * groups the inner one, so the chunk's V slice (the tile's keys x NV
+ * vectors) is reused by every group of rows while it is in L1: with the row
+ * groups outer, a prefill tile (64 rows) read the whole V tile from L2 once
+ * per group (AVX2, D=64: prefill 13% faster this way; the same at D=128). */
 static inline void KFN(tile_values)(T *restrict acc, const int *rows, int na,
                                     const T *restrict p, int ldc, const T *restrict alpha,
                                     const KFN(run_t) *runs, int nr, size_t bs, int d,
                                     T *restrict spare, pkv_pfs *ps) {
-    for (int a = 0; a < na; a += 4) {
-        const int R = na == 1 ? 1 : 4, nr4 = na - a < 4 ? na - a : 4;
-        T *y[4];
-        const T *pr[4];
-        T al[4];
-        for (int r = 0; r < R; r++) {
-            if (r < nr4) {
-                y[r] = acc + (size_t)rows[a + r] * d;
-                pr[r] = p + (size_t)(a + r) * ldc;
-                al[r] = alpha[a + r];
-            } else {
-                y[r] = spare;
-                pr[r] = p + (size_t)a * ldc;
-                al[r] = 0;
-            }
+    const int R = na == 1 ? 1 : 4, ngr = (na + R - 1) / R;
+    T *y[PKV_MAX_ROWS + 4];
+    const T *pr[PKV_MAX_ROWS + 4];
+    T al[PKV_MAX_ROWS + 4];
+    for (int a = 0; a < ngr * R; a++) {
+        if (a < na) {
+            y[a] = acc + (size_t)rows[a] * d;
+            pr[a] = p + (size_t)a * ldc;
+            al[a] = alpha[a];
+        } else { /* padding rows of a short last group: results dropped */
+            y[a] = spare;
+            pr[a] = p + (size_t)(a - a % R) * ldc;
+            al[a] = 0;
         }
-        if (nr4 < R) memset(spare, 0, sizeof(T) * (size_t)d);
-        int i = 0;
-        if (R == 4) {
-            for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
-                KFN(pv_4xn)(y, al, pr, runs, nr, bs, d, i, ps);
-            for (; i + W <= d; i += W) KFN(pv_4x1)(y, al, pr, runs, nr, bs, d, i, ps);
-        } else {
-            for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
-                KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i, ps);
-            for (; i + W <= d; i += W) KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i, ps);
-        }
-        for (; i < d; i++) /* dimensions past the last whole vector */
-            for (int r = 0; r < nr4; r++) {
-                T s = y[r][i] * al[r];
-                for (int u = 0; u < nr; u++)
-                    for (int j = 0; j < runs[u].n; j++)
-                        s += pr[r][runs[u].col + j] * KFN(vget)(runs + u, j, i, bs, d);
-                y[r][i] = s;
-            }
     }
+    if (ngr * R > na) memset(spare, 0, sizeof(T) * (size_t)d);
+    int i = 0;
+    if (R == 4) {
+        for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
+            for (int g = 0; g < ngr; g++)
+                KFN(pv_4xn)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
+        for (; i + W <= d; i += W)
+            for (int g = 0; g < ngr; g++)
+                KFN(pv_4x1)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
+    } else {
+        for (; i + PKV_PV_NV * W <= d; i += PKV_PV_NV * W)
+            KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i, ps);
+        for (; i + W <= d; i += W) KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i, ps);
+    }
+    for (; i < d; i++) /* dimensions past the last whole vector */
+        for (int r = 0; r < na; r++) {
+            T s = y[r][i] * al[r];
+            for (int u = 0; u < nr; u++)
+                for (int j = 0; j < runs[u].n; j++)
+                    s += pr[r][runs[u].col + j] * KFN(vget)(runs + u, j, i, bs, d);
+            y[r][i] = s;
+        }
 }
 
 /* The tile's keys of one head rotated by RoPE at ranks r0 + column, into
