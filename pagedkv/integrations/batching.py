@@ -194,6 +194,16 @@ def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry,
     return out
 
 
+def single_group(caches: Dict[str, PagedKVCache], owner: str) -> PagedKVCache:
+    """The one PagedKVCache of a model whose layers form one group; AttributeError naming the
+    groups otherwise (``owner`` is how the caller is spelled in the message)."""
+    if len(caches) != 1:
+        raise AttributeError(f"this model's layers form {len(caches)} groups "
+                             f"({', '.join(caches)}), each with its own PagedKVCache: use "
+                             f"{owner}.groups[name]")
+    return next(iter(caches.values()))
+
+
 def kernel_options(layer_idx: int, window: Optional[int], kwargs) -> Dict[str, object]:
     """The kernels' ``window`` / ``softcap`` / ``sinks`` from the keyword arguments a model's
     attention module passes (``sliding_window``, ``softcap``, ``s_aux``), for a layer whose
@@ -499,11 +509,7 @@ class ContinuousBatcher:
     @property
     def cache(self) -> PagedKVCache:
         """The PagedKVCache of a model with one layer group (see ``groups`` otherwise)."""
-        if len(self._groups) != 1:
-            raise AttributeError(f"this model's layers form {len(self._groups)} groups "
-                                 f"({', '.join(g.name for g in self._groups)}), each with its "
-                                 "own PagedKVCache: use batcher.groups[name]")
-        return self._groups[0].cache
+        return single_group(self.groups, "batcher")
 
     # ------------------------------------------------------------------
     # requests

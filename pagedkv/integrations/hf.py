@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.integrations.batching import (STEP_KWARG, ContinuousBatcher, kernel_options,
-                                           model_geometry, resolve_num_blocks)
+                                           model_geometry, resolve_num_blocks, single_group)
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
@@ -568,11 +568,7 @@ class PagedCache(Cache):
     @property
     def paged(self) -> PagedKVCache:
         """The PagedKVCache of a model with one layer group (see ``groups`` otherwise)."""
-        if len(self.group_rows) != 1:
-            raise AttributeError(f"this model's layers form {len(self.group_rows)} groups "
-                                 f"({', '.join(self.group_rows)}), each with its own "
-                                 "PagedKVCache: use cache.groups[name]")
-        return self.rows.paged
+        return single_group(self.groups, "cache")
 
     @property
     def streaming(self) -> Optional[StreamingLLM]:
