@@ -1172,7 +1172,10 @@ cdef class CacheCore:
                     softcap, (int, float, np.integer, np.floating)):
                 raise TypeError(f"softcap must be None or a number > 0, got "
                                 f"{type(softcap).__name__}")
-            c = float(softcap)
+            try:
+                c = float(softcap)
+            except OverflowError:  # an int beyond the float range
+                c = float("inf")
             if not (c > 0 and c < float("inf")):
                 raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
         if sinks is not None:
