@@ -119,6 +119,11 @@ def get_num_threads():
     return _nthreads if _nthreads > 0 else pkv_max_threads()
 
 
+#: logical CPUs, read once: os.cpu_count() reads /sys on Linux (about 12 us on a VM, most of
+#: the construction of a small cache); a cache sizes its starting kernel scratch by it
+_CPUS = os.cpu_count() or 1
+
+
 # ----------------------------------------------------------------------------
 # helpers
 
@@ -333,7 +338,7 @@ cdef class CacheCore:
         self.has_rope = rope_cos is not None
         if self.has_rope:
             self._set_rope(rope_cos, rope_sin)
-        self._ensure_scratch(max(pkv_max_threads(), os.cpu_count() or 1))
+        self._ensure_scratch(max(pkv_max_threads(), _CPUS))
 
     def __dealloc__(self):
         for i in range(5):
@@ -570,13 +575,20 @@ cdef class CacheCore:
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
         cdef Seq *s
+        cdef int64_t i, n = 0
+        cdef int64_t *p
         self._enter()
         try:
             s = self._seq(sid)
-            return np.concatenate([
-                np.arange(s.segs.a0, s.segs.a1, dtype=np.int64) + s.off0,
-                np.arange(s.segs.b0, s.segs.b1, dtype=np.int64) + s.off1,
-            ])
+            out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
+            p = <int64_t *>cnp.PyArray_DATA(out)
+            for i in range(s.segs.a0, s.segs.a1):
+                p[n] = i + s.off0
+                n += 1
+            for i in range(s.segs.b0, s.segs.b1):
+                p[n] = i + s.off1
+                n += 1
+            return out
         finally:
             self._exit()
 
