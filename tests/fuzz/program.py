@@ -413,7 +413,7 @@ class Runner:
         self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
         self.saved = {}         # path -> (file bytes, the saved sequence's contents)
         self.block_bytes = {}   # (block, generation) -> bytes of a registered block, when seen
-        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
+        self.allowed, self.on_fail, self.rewrites, self.opt_bits = ALLOWED, None, (), 0
         self.checked = {}       # sid -> what check_state last passed for it
         self.fresh = None       # _fresh_file(), made once
         _clear_tmpdir()
@@ -560,7 +560,7 @@ class Runner:
         and self.on_fail (a check after it raised, or None)."""
         b = self.b
         name = b.pick(OPS)
-        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
+        self.allowed, self.on_fail, self.rewrites, self.opt_bits = ALLOWED, None, (), 0
         return name, self._call(name)
 
     def _tokens(self, sid, n, start=None):
@@ -1035,6 +1035,14 @@ class Runner:
             elif how == 6 and not good and n:
                 sinks = sinks[0]  # 0-d (NumPy scalar)
             opts["sinks"] = sinks
+        # for the feedback: which options, and a window shorter than some live sequence (the
+        # kernels then skip blocks)
+        w = opts.get("window")
+        core = self.cache._core
+        cuts = (isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+                and any(1 <= w < core.seq_len(s) for s in core.sequence_ids()))
+        self.opt_bits = (("window" in opts) | ("softcap" in opts) << 1 | ("sinks" in opts) << 2
+                         | cuts << 3)
         return opts
 
     def _out(self, m, hq):
@@ -1053,8 +1061,9 @@ class Runner:
 
     def feature(self, name, outcome):
         """A number for (previous call, this call, its outcome, the shape of the sequence it
-        named): segments held, a partial last block, a step not yet written on every layer, a
-        shared last block, or no such sequence."""
+        named, the attention options it passed): segments held, a partial last block, a step not
+        yet written on every layer, a shared last block, or no such sequence; window, softcap,
+        sinks, a window shorter than a live sequence."""
         c, sid, shape = self.cache, self.target, 0
         if type(sid) is int and sid in c:
             core = c._core
@@ -1065,7 +1074,8 @@ class Runner:
                      | (length % self.bs != 0) << 3 | (core.written_tokens(sid) < length) << 4
                      | (bool(table) and core.ref_count(table[-1]) > 1) << 5)
         op = _OP_INDEX[name]
-        f = ((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape
+        f = ((((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape) * 16
+             + self.opt_bits)
         self.prev = op
         return f
 
