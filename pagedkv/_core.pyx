@@ -1077,8 +1077,13 @@ cdef class CacheCore:
                 needed += p.new_blocks + p.cow
                 freed += p.freed
             self.seqs.check_free(needed, freed)
+            # every trim first: the check counted the blocks all of them give back, and a
+            # sequence early in the batch may need blocks a later one's trim frees (taking them
+            # before that trim would find the free queue empty)
             for i in range(B):
-                self.seqs.apply_grow(self.b_seqs[i], &self.b_plans[i], 1)
+                self.seqs.apply_drop(self.b_seqs[i], &self.b_plans[i], _TRIM_STREAMING)
+            for i in range(B):
+                self.seqs.apply_add(self.b_seqs[i], &self.b_plans[i], 1)
                 self.b_seqs[i].step_n = 1
         else:
             for i in range(B):
