@@ -119,6 +119,11 @@ def get_num_threads():
     return _nthreads if _nthreads > 0 else pkv_max_threads()
 
 
+#: logical CPUs, read once: os.cpu_count() reads /sys on Linux (about 12 us on a VM, most of
+#: the construction of a small cache); a cache sizes its starting kernel scratch by it
+_CPUS = os.cpu_count() or 1
+
+
 # ----------------------------------------------------------------------------
 # helpers
 
@@ -333,7 +338,7 @@ cdef class CacheCore:
         self.has_rope = rope_cos is not None
         if self.has_rope:
             self._set_rope(rope_cos, rope_sin)
-        self._ensure_scratch(max(pkv_max_threads(), os.cpu_count() or 1))
+        self._ensure_scratch(max(pkv_max_threads(), _CPUS))
 
     def __dealloc__(self):
         for i in range(5):
@@ -570,13 +575,20 @@ cdef class CacheCore:
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
         cdef Seq *s
+        cdef int64_t i, n = 0
+        cdef int64_t *p
         self._enter()
         try:
             s = self._seq(sid)
-            return np.concatenate([
-                np.arange(s.segs.a0, s.segs.a1, dtype=np.int64) + s.off0,
-                np.arange(s.segs.b0, s.segs.b1, dtype=np.int64) + s.off1,
-            ])
+            out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
+            p = <int64_t *>cnp.PyArray_DATA(out)
+            for i in range(s.segs.a0, s.segs.a1):
+                p[n] = i + s.off0
+                n += 1
+            for i in range(s.segs.b0, s.segs.b1):
+                p[n] = i + s.off1
+                n += 1
+            return out
         finally:
             self._exit()
 
@@ -1065,8 +1077,13 @@ cdef class CacheCore:
                 needed += p.new_blocks + p.cow
                 freed += p.freed
             self.seqs.check_free(needed, freed)
+            # every trim first: the check counted the blocks all of them give back, and a
+            # sequence early in the batch may need blocks a later one's trim frees (taking them
+            # before that trim would find the free queue empty)
             for i in range(B):
-                self.seqs.apply_grow(self.b_seqs[i], &self.b_plans[i], 1)
+                self.seqs.apply_drop(self.b_seqs[i], &self.b_plans[i], _TRIM_STREAMING)
+            for i in range(B):
+                self.seqs.apply_add(self.b_seqs[i], &self.b_plans[i], 1)
                 self.b_seqs[i].step_n = 1
         else:
             for i in range(B):
@@ -1172,7 +1189,10 @@ cdef class CacheCore:
                     softcap, (int, float, np.integer, np.floating)):
                 raise TypeError(f"softcap must be None or a number > 0, got "
                                 f"{type(softcap).__name__}")
-            c = float(softcap)
+            try:
+                c = float(softcap)
+            except OverflowError:  # an int beyond the float range
+                c = float("inf")
             if not (c > 0 and c < float("inf")):
                 raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
         if sinks is not None:

@@ -385,8 +385,14 @@ cdef class SequenceTable:
 
     cdef void apply_grow(self, Seq *s, const _Plan *p, int64_t n) noexcept:
         """Trim, copy the last block if shared, add blocks: then b1 += n."""
-        cdef int64_t i
         self.apply_drop(s, p, _TRIM_STREAMING)
+        self.apply_add(s, p, n)
+
+    cdef void apply_add(self, Seq *s, const _Plan *p, int64_t n) noexcept:
+        """apply_grow after its trim: copy the last block if shared, add blocks, b1 += n.
+        A batch applies every sequence's trim before any of these: its check counted the
+        blocks all the trims give back."""
+        cdef int64_t i
         if p.cow:
             s.table[s.nblk - 1] = self.pool.copy_on_write(s.table[s.nblk - 1])
         elif n > 0 and s.segs.b1 % self.block_size and self.pool.cached[s.table[s.nblk - 1]]:

@@ -14,6 +14,7 @@ Everything here is written against the public contract in ``shared/design.md`` Â
 """
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -367,32 +368,43 @@ def check_pool_invariants(cache):
     queue holds exactly the unreferenced blocks, free + used == total, and stats agree.  (When a
     feature adds references, such as a prefix index, count them here.)
     """
-    from collections import Counter
-
-    core = cache._core
+    core = cache._core  # the facade's queries below are the core's own methods
     with core.hold():
-        refs = Counter()
-        tokens = 0
-        for sid in cache.sequence_ids():
-            table = cache.block_table(sid).tolist()
-            assert len(table) == cache.num_seq_blocks(sid)
-            assert len(set(table)) == len(table), f"sequence {sid} names a block twice: {table}"
-            refs.update(table)
-            tokens += cache.seq_len(sid)
-            assert cache.seq_len(sid) <= len(table) * cache.block_size
-        assert all(0 <= b < cache.num_blocks for b in refs)
-        counts = [core.ref_count(b) for b in range(cache.num_blocks)]
-        for b, c in enumerate(counts):
-            assert c == refs.get(b, 0), f"block {b}: ref count {c}, referenced {refs.get(b, 0)} times"
-        free = [b for b, c in enumerate(counts) if c == 0]
-        assert cache.num_free_blocks == len(free), (cache.num_free_blocks, len(free))
-        assert sorted(core.pool.free_blocks()) == free  # the queue: each free block once
-        stats = cache.stats()
-        assert stats.blocks_free + stats.blocks_used == stats.blocks_total == cache.num_blocks
-        assert stats.tokens_held == tokens
-        prefix = getattr(cache, "_prefix", None)
-        if prefix is not None:
-            check_prefix_index(cache, prefix, counts, stats)
+        seqs = [(sid, core.block_table(sid).tolist(), core.seq_len(sid))
+                for sid in core.sequence_ids()]
+        ref_count = core.pool.ref_count
+        counts = [ref_count(b) for b in range(core.num_blocks)]
+        check_accounting(cache, seqs, counts, core.pool.free_blocks(), core.num_free_blocks)
+
+
+def check_accounting(cache, seqs, counts, free_queue, num_free):
+    """check_pool_invariants on what was read of the cache (call with its lock held, or with
+    nothing changed since the reads): seqs [(sid, block table as a list, seq_len)] of every live
+    sequence, counts every block's reference count, free_queue pool.free_blocks(), num_free
+    num_free_blocks."""
+    core = cache._core
+    refs = Counter()
+    tokens = 0
+    num_blocks, bs = core.num_blocks, core.block_size
+    assert len(counts) == num_blocks, (len(counts), num_blocks)
+    for sid, table, n in seqs:
+        assert len(table) == core.num_seq_blocks(sid)
+        assert len(set(table)) == len(table), f"sequence {sid} names a block twice: {table}"
+        refs.update(table)
+        tokens += n
+        assert n <= len(table) * bs
+    assert all(0 <= b < num_blocks for b in refs)
+    for b, c in enumerate(counts):
+        assert c == refs.get(b, 0), f"block {b}: ref count {c}, referenced {refs.get(b, 0)} times"
+    free = [b for b, c in enumerate(counts) if c == 0]
+    assert num_free == len(free), (num_free, len(free))
+    assert sorted(free_queue) == free  # the queue: each free block once
+    stats = cache.stats()
+    assert stats.blocks_free + stats.blocks_used == stats.blocks_total == num_blocks
+    assert stats.tokens_held == tokens
+    prefix = getattr(cache, "_prefix", None)
+    if prefix is not None:
+        check_prefix_index(cache, prefix, counts, stats)
 
 
 def check_prefix_index(cache, prefix, counts, stats):

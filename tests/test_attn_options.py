@@ -182,6 +182,7 @@ BAD = [
     (dict(softcap=-1), ValueError, "softcap"),
     (dict(softcap=float("nan")), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(softcap=10**400), ValueError, "softcap"),  # beyond the float range: not OverflowError
     (dict(softcap="50"), TypeError, "softcap"),
     (dict(sinks=[0.0] * 4), TypeError, "sinks"),
     (dict(sinks=np.zeros(4, np.int64)), TypeError, "sinks"),

@@ -218,6 +218,58 @@ for method, call in LAYER_CALLS.items():
         ROWS.append((method, f"layer {bad!r}", lambda c, i, call=call, bad=bad: call(c, i, bad),
                      exc, match))
 
+# attention options (sliding window, logit softcapping, learned sinks), for both attention calls
+OPTION_CALLS = {
+    "attend": lambda c, i, kw: c.attend(i["a"], tok(2, heads=HQ), **kw),
+    "attend_batch": lambda c, i, kw: c.attend_batch([i["a"], i["c"]], tok(2, heads=HQ), **kw),
+}
+SINKS_TYPE = r"sinks must be None or a float32/float64 NumPy array of shape \[4\]"
+BAD_OPTIONS = [
+    ("window 0", dict(window=0), ValueError, r"window must be None or an int >= 1, got 0"),
+    ("window negative", dict(window=-1), ValueError, r"window must be None or an int >= 1, got -1"),
+    ("window 2**62", dict(window=2**62), ValueError, r"int >= 1, got 4611686018427387904"),
+    ("window huge", dict(window=2**200), ValueError, r"int >= 1, got 1606938044"),
+    ("window uint64 max", dict(window=np.uint64(2**64 - 1)), ValueError,
+     r"int >= 1, got 18446744073709551615"),
+    ("window nan", dict(window=float("nan")), TypeError, r"window must be None or an int >= 1, got float"),
+    ("window float", dict(window=2.0), TypeError, r"window must be None or an int >= 1, got float"),
+    ("window bool", dict(window=True), TypeError, r"window must be None or an int >= 1, got bool"),
+    ("window str", dict(window="4"), TypeError, r"window must be None or an int >= 1, got str"),
+    ("softcap 0", dict(softcap=0.0), ValueError, r"softcap must be None or a finite number > 0, got 0.0"),
+    ("softcap negative", dict(softcap=-1), ValueError, r"finite number > 0, got -1"),
+    ("softcap nan", dict(softcap=float("nan")), ValueError, r"finite number > 0, got nan"),
+    ("softcap float32 nan", dict(softcap=np.float32("nan")), ValueError, r"finite number > 0, got nan"),
+    ("softcap inf", dict(softcap=float("inf")), ValueError, r"finite number > 0, got inf"),
+    ("softcap huge int", dict(softcap=10**400), ValueError, r"finite number > 0, got 1000"),
+    ("softcap str", dict(softcap="50"), TypeError, r"softcap must be None or a number > 0, got str"),
+    ("softcap bool", dict(softcap=True), TypeError, r"softcap must be None or a number > 0, got bool"),
+    ("softcap complex", dict(softcap=1j), TypeError, r"number > 0, got complex"),
+    ("sinks list", dict(sinks=[0.0] * HQ), TypeError, SINKS_TYPE + r".*got list"),
+    ("sinks numpy scalar", dict(sinks=np.float64(0.0)), TypeError, SINKS_TYPE + r".*got float64"),
+    ("sinks int64", dict(sinks=np.zeros(HQ, np.int64)), TypeError,
+     r"sinks must be float32 or float64, got int64"),
+    ("sinks float16", dict(sinks=np.zeros(HQ, np.float16)), TypeError,
+     r"sinks must be float32 or float64, got float16"),
+    ("sinks big-endian", dict(sinks=np.zeros(HQ, ">f8")), TypeError,
+     r"sinks must be float32 or float64, got >f8"),
+    ("sinks too short", dict(sinks=np.zeros(HQ - 1)), ValueError,
+     r"sinks must have shape \(4,\) \(one logit per query head\), got \(3,\)"),
+    ("sinks too long", dict(sinks=np.zeros(HQ + 1, np.float32)), ValueError, r"got \(5,\)"),
+    ("sinks empty", dict(sinks=np.zeros(0)), ValueError, r"got \(0,\)"),
+    ("sinks 0-d", dict(sinks=np.array(1.0)), ValueError, r"got \(\)"),
+    ("sinks 2-d", dict(sinks=np.zeros((1, HQ))), ValueError, r"got \(1, 4\)"),
+    ("sinks per KV head", dict(sinks=np.zeros(HKV)), ValueError, r"got \(2,\)"),
+    ("sinks nan", dict(sinks=np.array([0.0, np.nan, 0.0, 0.0])), ValueError, r"sinks must be finite"),
+    ("sinks inf", dict(sinks=np.array([0.0, 0.0, -np.inf, 0.0], np.float32)), ValueError,
+     r"sinks must be finite"),
+    ("good window, bad softcap", dict(window=2, softcap=-0.5), ValueError, r"softcap"),
+    ("good options, bad sinks", dict(window=3, softcap=30.0, sinks=np.zeros(HQ, np.int32)),
+     TypeError, r"sinks must be float32 or float64, got int32"),
+]
+for method, call in OPTION_CALLS.items():
+    for what, kw, exc, match in BAD_OPTIONS:
+        ROWS.append((method, what, lambda c, i, call=call, kw=kw: call(c, i, kw), exc, match))
+
 # ids, for every method that takes one
 ID_CALLS = {
     "append": lambda c, s: c.append(s, tok(1), tok(1)),

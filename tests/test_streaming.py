@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import pagedkv
-from reference import assert_attention_close, assert_unchanged, ref_attention, snapshot
+from reference import (assert_attention_close, assert_unchanged, check_pool_invariants,
+                       ref_attention, snapshot)
 
 
 def rope_rotate(x, positions, theta=10000.0, rotary_dim=None):
@@ -546,6 +547,39 @@ def test_trim_into_the_newest_step_ends_it(rng):
     np.testing.assert_array_equal(c.kept_positions(w), [0, 4, 5, 6])
     np.testing.assert_array_equal(c.gather(w, 1)[0], np.concatenate([k[:1], k[4:], 3 * k[:2]]))
     np.testing.assert_array_equal(c.gather(w, 0)[0], np.concatenate([k[:1], k[4:], k[:2]]))
+
+
+@pytest.mark.parametrize("order", ["trimmed last", "trimmed first"])
+def test_batch_gets_blocks_a_later_sequence_trims(rng, order):
+    """append_batch counts the blocks every sequence's StreamingLLM trim gives back, so a
+    sequence before the trimmed one in the batch may need one of them.  The trims used to be
+    applied sequence by sequence: that sequence took from an empty free queue, and got the
+    block id one past the pool (its K/V written beyond the pool, the free queue's sentinel
+    overwritten: found by the fuzz programs)."""
+    d = 64
+    c = pagedkv.PagedKVCache(num_blocks=8, block_size=1, num_kv_heads=1, head_dim=d,
+                             num_layers=2, streaming=pagedkv.StreamingLLM(1, 4))
+    a = c.add_sequence()
+    ka = rng.standard_normal((8, 1, d)).astype(np.float32)
+    for lo, hi in ((0, 5), (5, 8)):  # the second step is held whole until a's next append
+        for layer in (0, 1):
+            c.append(a, ka[lo:hi], ka[lo:hi], layer=layer)
+    assert c.seq_len(a) == 8 and c.num_free_blocks == 0
+    b = c.add_sequence()
+    x = rng.standard_normal((2, 1, d)).astype(np.float32)
+    sids = [b, a] if order == "trimmed last" else [a, b]
+    c.append_batch(sids, x, x)                 # a gives back 3 blocks, takes 1; b takes 1
+    c.append_batch(sids, 2 * x, 2 * x, layer=1)
+    check_pool_invariants(c)
+    for s in (a, b):
+        assert all(0 <= blk < c.num_blocks for blk in c.block_table(s).tolist())
+    ia, ib = sids.index(a), sids.index(b)
+    np.testing.assert_array_equal(c.kept_positions(a), [0, 4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(c.gather(a)[0], np.concatenate([ka[:1], ka[4:], x[ia:ia + 1]]))
+    np.testing.assert_array_equal(c.gather(a, 1)[0][-1], 2 * x[ia])
+    np.testing.assert_array_equal(c.gather(b)[0], x[ib:ib + 1])
+    np.testing.assert_array_equal(c.gather(b, 1)[0], 2 * x[ib:ib + 1])
+    assert c.num_free_blocks == 1
 
 
 def test_streaming_append_out_of_blocks_is_atomic(rng):

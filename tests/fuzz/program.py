@@ -8,7 +8,10 @@ program builds a small cache from the bytes (arrays of float32, float64, float16
 each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with
 arguments that are often wrong: ids live / freed / huge / negative / float / bool / None, arrays
 of the wrong dtype, ndim, shape, strides, alignment, writability, zero length or huge broadcast
-length, NaN / inf data, hostile layers, scales, sizes and out= arrays, token ids and cache salts
+length, NaN / inf data, hostile layers, scales, sizes and out= arrays, attention options
+(sliding windows shorter and longer than the sequences, logit softcaps, learned sinks; and
+zero / negative / huge / NaN / non-int windows, softcaps <= 0, NaN, inf or huge, sinks of the
+wrong type, dtype, shape or length or holding NaN / inf), token ids and cache salts
 of the wrong length, type or size, save / load paths of every kind, files truncated, bit-flipped,
 foreign or forged (a rewritten header with a valid checksum), hostile compact / resize sizes.
 
@@ -60,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pagedkv  # noqa: E402
 from pagedkv.prefix import _same_prefix  # noqa: E402
-from reference import check_pool_invariants  # noqa: E402
+from reference import check_accounting  # noqa: E402
 
 ALLOWED = (KeyError, ValueError, TypeError, RuntimeError, MemoryError)
 #: load of a real file with a valid priority: a file's contents may only raise these
@@ -106,6 +109,12 @@ class Bytes:
     def int(self, lo, hi):
         """An int in [lo, hi] (hi - lo < 2**32)."""
         span = hi - lo + 1
+        if 0 < span < 256:  # one byte (most calls): what the loop below reads, without the loop
+            pos = self.pos
+            if pos >= len(self.data):
+                return lo
+            self.pos = pos + 1
+            return lo + self.data[pos] % span
         v = 0
         for _ in range((span.bit_length() + 7) // 8):
             v = (v << 8) | self.byte()
@@ -161,8 +170,8 @@ def _data(b: Bytes, shape, dtype):
         a[:: max(1, b.int(1, 7))] = b.pick([np.nan, np.inf, -np.inf])
     else:
         a = _normals(b, n) * b.pick([1.0, 1e-3, 1e3, 1e30])
-    with np.errstate(all="ignore"):
-        return a.reshape(shape).astype(dtype) if dtype is not object else a.reshape(shape)
+    # (called with NumPy's floating-point warnings off: Runner.run)
+    return a.reshape(shape).astype(dtype) if dtype is not object else a.reshape(shape)
 
 
 def _array(b: Bytes, n, heads, d, dtype):
@@ -276,6 +285,7 @@ def _hostile_ids(b: Bytes, good):
 
 _TMP = None
 _DIRTY = False
+_IN = None  # the bytes in the scratch file "in" (None: unknown)
 _PREFIX = struct.Struct("<8sII")
 
 
@@ -295,11 +305,13 @@ def _tmpdir():
 
 
 def _clear_tmpdir():
+    """Remove what the last program saved ("in", which every load writes first when its
+    bytes differ, and the directory "d" stay)."""
     global _DIRTY
     if _TMP is not None and _DIRTY:
         _DIRTY = False
         for name in os.listdir(_TMP):
-            if name != "d":
+            if name not in ("d", "in"):
                 os.unlink(os.path.join(_TMP, name))
 
 
@@ -401,28 +413,38 @@ class Runner:
         self.stream = {}        # sid -> the token stream its token ids come from (prefix caching)
         self.saved = {}         # path -> (file bytes, the saved sequence's contents)
         self.block_bytes = {}   # (block, generation) -> bytes of a registered block, when seen
-        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
+        self.allowed, self.on_fail, self.rewrites, self.opt_bits = ALLOWED, None, (), 0
+        self.checked = {}       # sid -> what check_state last passed for it
+        self.fresh = None       # _fresh_file(), made once
         _clear_tmpdir()
 
     # ------------------------------------------------------------------
     # state
 
     def snapshot(self):
-        """What a failing call must leave as it was: {part: value}."""
+        """What a failing call must leave as it was: {part: value}.
+
+        Read through the core (the facade's seq_len, kept_positions, priority, sequence_ids and
+        gather are the core's, and the core is not instrumented: these reads are not the
+        search's coverage)."""
         c = self.cache
         core, pool = c._core, c._core.pool
         seqs = []
-        gather, layers = c.gather, range(self.layers)
-        for sid in c.sequence_ids():
-            data = [gather(sid, layer) for layer in layers]
-            seqs.append((sid, c.seq_len(sid), c.kept_positions(sid).tobytes(), c.priority(sid),
-                         [(k.tobytes(), v.tobytes()) for k, v in data]))
-        gen, cached, ref = pool.generation, pool.is_cached, core.ref_count
+        gather, seq_len, kept, priority = core.gather, core.seq_len, core.kept_positions, \
+            core.priority
+        layers = range(self.layers)
+        for sid in core.sequence_ids():
+            data = []
+            for layer in layers:
+                k, v = gather(sid, layer)
+                data.append((k.tobytes(), v.tobytes()))
+            seqs.append((sid, seq_len(sid), kept(sid).tobytes(), priority(sid), data))
+        gen, cached, ref = pool.generation, pool.is_cached, pool.ref_count
         blocks = []
-        for b in range(c.num_blocks):
+        for b in range(core.num_blocks):
             g = gen(b)
             blocks.append((g, cached(b, g), ref(b)))
-        state = {"seqs": seqs, "pool": (c.num_blocks, c.num_free_blocks, blocks,
+        state = {"seqs": seqs, "pool": (core.num_blocks, core.num_free_blocks, blocks,
                                         pool.num_cached_free)}
         p = c._prefix
         if p is not None:
@@ -440,9 +462,9 @@ class Runner:
         c = self.cache
         core = c._core
         p = c._prefix
+        table, written = core.block_table, core.written_tokens
         return (core.pool.free_blocks(),
-                [(c.block_table(sid).tobytes(), core.written_tokens(sid))
-                 for sid in c.sequence_ids()],
+                [(sid, table(sid).tobytes(), written(sid)) for sid in core.sequence_ids()],
                 None if p is None else [(e.key, e.block, e.gen, p._valid(e))
                                         for e in p._entries()])
 
@@ -454,21 +476,42 @@ class Runner:
             return set()
         return {e for e in p._entries() if p._valid(e) and core.ref_count(e.block) > 0}
 
-    def check_state(self):
-        """Invariants beyond the block accounting (reference.check_pool_invariants)."""
+    def check_accounting(self, state, inner):
+        """reference.check_pool_invariants on the snapshot and internals just read (nothing
+        has changed since): every reference count equals the block tables naming the block,
+        the free queue holds exactly the free blocks, stats agree, the prefix index agrees."""
+        seqs, tables = state["seqs"], inner[1]
+        assert [s[0] for s in seqs] == [t[0] for t in tables]
+        num_blocks, num_free, blocks, _ = state["pool"]
+        check_accounting(self.cache,
+                         [(s[0], np.frombuffer(t[1], np.int32).tolist(), s[1])
+                          for s, t in zip(seqs, tables)],
+                         [ref for _, _, ref in blocks], inner[0], num_free)
+
+    def check_state(self, state):
+        """Invariants beyond the block accounting (reference.check_pool_invariants), on
+        `state`, the snapshot of the cache as it is now.  A sequence's own checks read its
+        segments, offsets, length, kept positions and priority; they run again only when one of
+        those changed since they last passed (self.checked)."""
         c = self.cache
         core, pool = c._core, c._core.pool
-        for sid in c.sequence_ids():
-            g = core.debug_state(sid)
+        debug = core.debug_state
+        checked = {}
+        for sid, length, kept, pr, _ in state["seqs"]:
+            g = debug(sid)
+            key = (g["a0"], g["a1"], g["b0"], g["b1"], g["off0"], g["off1"], length, kept, pr)
+            checked[sid] = key
+            if self.checked.get(sid) == key:
+                continue
             assert 0 <= g["a0"] <= g["a1"] <= g["b0"] <= g["b1"], g
             assert g["a0"] == g["a1"] or g["a1"] + g["off0"] <= g["b0"] + g["off1"], g
-            kept = c.kept_positions(sid)
-            assert len(kept) == c.seq_len(sid), (sid, len(kept), c.seq_len(sid))
-            assert kept.size == 0 or (kept[0] >= 0 and (np.diff(kept) > 0).all()), kept
-            pr = c.priority(sid)
+            kept = np.frombuffer(kept, np.int64)
+            assert len(kept) == length, (sid, len(kept), length)
+            assert kept.size == 0 or (kept[0] >= 0 and (kept[1:] > kept[:-1]).all()), kept
             assert math.isfinite(pr), f"sequence {sid} has priority {pr}"
-        cached_free = sum(1 for b in range(c.num_blocks)
-                          if core.ref_count(b) == 0 and pool.is_cached(b, pool.generation(b)))
+        self.checked = checked
+        blocks = state["pool"][2]
+        cached_free = sum(1 for _, cached, ref in blocks if ref == 0 and cached)
         assert pool.num_cached_free == cached_free, (pool.num_cached_free, cached_free)
         p = c._prefix
         if p is None:
@@ -517,7 +560,7 @@ class Runner:
         and self.on_fail (a check after it raised, or None)."""
         b = self.b
         name = b.pick(OPS)
-        self.allowed, self.on_fail, self.rewrites = ALLOWED, None, ()
+        self.allowed, self.on_fail, self.rewrites, self.opt_bits = ALLOWED, None, (), 0
         return name, self._call(name)
 
     def _tokens(self, sid, n, start=None):
@@ -568,12 +611,15 @@ class Runner:
                 return lambda: c.append_batch(sids, k, k, layer=layer)
             q = _array(b, B, hq, self.d, dt)
             out = self._out(B, hq)
-            return lambda: c.attend_batch(sids, q, layer=layer, scale=self._scale(), out=out)
+            opts = self._attn_options(hq)
+            return lambda: c.attend_batch(sids, q, layer=layer, scale=self._scale(), out=out,
+                                          **opts)
         if name == "attend":
             m = b.int(1, 4)
             q = _array(b, m, hq, self.d, dt)
             out = self._out(m, hq)
-            return lambda: c.attend(sid, q, layer=layer, scale=self._scale(), out=out)
+            opts = self._attn_options(hq)
+            return lambda: c.attend(sid, q, layer=layer, scale=self._scale(), out=out, **opts)
         if name == "gather":
             return lambda: c.gather(sid, layer=layer)
         if name == "fork":
@@ -706,6 +752,7 @@ class Runner:
                 [(k.tobytes(), v.tobytes()) for k, v in data], tokens)
 
     def _load(self):
+        global _IN
         b, c = self.b, self.cache
         tmp = _tmpdir()
         path = os.path.join(tmp, "in")
@@ -743,8 +790,14 @@ class Runner:
             path = [os.path.join(tmp, "missing"), os.path.join(tmp, "d"), None, 3,
                     os.fsencode(path), pathlib.Path(path)][k]
             bad_path, bad_type = k < 2, bad_type or k in (2, 3)
-        with open(os.path.join(tmp, "in"), "wb") as f:
-            f.write(data)
+        if data != _IN:  # nothing else writes "in" (saves go to s0..s3)
+            _IN = None
+            fd = os.open(os.path.join(tmp, "in"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                assert os.write(fd, data) == len(data)
+            finally:
+                os.close(fd)
+            _IN = data
         self.allowed = (LOAD_ALLOWED + ((TypeError,) if bad_type else ())
                         + ((OSError,) if bad_path else ()))
 
@@ -766,12 +819,15 @@ class Runner:
     def _fresh_file(self):
         """A sequence file for this cache's configuration, made here (so programs load and
         forge files without saving first)."""
+        if self.fresh is not None:
+            return self.fresh  # the configuration of a cache never changes
         c = self.cache
         header = {"config": pagedkv.persist.config_of(c),
                   "sequence": dict(nblk=0, a0=0, a1=0, b0=0, b1=0, off0=0, off1=0,
                                    priority=0.0, length=0),
                   "token_ids": [] if c._prefix is not None else None, "payload_bytes": 0}
-        return _pack(pagedkv.persist.VERSION, header, b"")
+        self.fresh = _pack(pagedkv.persist.VERSION, header, b"")
+        return self.fresh
 
     def _forge(self, data):
         """`data` with its header rewritten (usually with a valid checksum)."""
@@ -932,6 +988,63 @@ class Runner:
         return None if b.chance(200) else b.pick([0.0, -1.0, 1e308, float("nan"),
                                                   float("inf"), "x", 1e-300])
 
+    def _attn_options(self, hq):
+        """window / softcap / sinks keywords for attend and attend_batch: often none, mostly
+        valid (windows shorter and longer than the sequences), sometimes hostile."""
+        b = self.b
+        opts = {}
+        if b.chance(150):
+            return opts
+        if b.chance(150):
+            opts["window"] = (b.pick([1, 2, self.bs, self.bs + 1, b.int(1, 4 * self.bs + 2),
+                                      2**62 - 1, np.int32(3), np.uint8(1), None])
+                              if b.chance(210) else
+                              b.pick([0, -1, -2**63, 2**62, 2**64, 2**200, 1.0, 2.5,
+                                      float("nan"), True, np.bool_(True), "4", [2],
+                                      np.int64(0), np.uint64(2**64 - 1), np.int8(-1),
+                                      np.float64(2)]))
+        if b.chance(120):
+            opts["softcap"] = (b.pick([0.5, 5.0, 30.0, 50.0, 1e-3, 2, np.float32(20.0),
+                                       np.int64(7), 1e300, None])
+                               if b.chance(210) else
+                               b.pick([0.0, -0.0, -1.0, -1e300, float("nan"), float("inf"),
+                                       float("-inf"), 10**400, -10**400, 5e-324, True,
+                                       np.bool_(False), "50", [1.0], np.float32("nan"),
+                                       np.float64("inf"), np.complex128(1)]))
+        if b.chance(120):
+            good = b.chance(200)
+            dtype = b.pick([np.float32, np.float64]) if good else b.pick(
+                [np.float16, np.int64, np.int32, np.bool_, np.complex64, object,
+                 np.dtype(">f8"), np.float32, np.float64])
+            n = hq if good or b.chance(128) else b.pick([0, 1, hq - 1, hq + 1, 2 * hq])
+            sinks = _normals(b, n) * b.pick([1.0, 3.0, 1e3, 1e300])
+            if not good and n and b.chance(100):
+                sinks[b.int(0, n - 1)] = b.pick([np.nan, np.inf, -np.inf])
+            sinks = sinks.astype(dtype)
+            how = b.int(0, 7)
+            if how == 1:
+                sinks = sinks.reshape(1, -1)
+            elif how == 2 and not good:
+                sinks = sinks.reshape(-1, 1)
+            elif how == 3:
+                sinks = np.repeat(sinks, 2)[::2]  # non-contiguous
+            elif how == 4:
+                sinks.setflags(write=False)
+            elif how == 5 and not good:
+                sinks = b.pick([sinks.tolist(), None, 1.5, "s", sinks[:0]])
+            elif how == 6 and not good and n:
+                sinks = sinks[0]  # 0-d (NumPy scalar)
+            opts["sinks"] = sinks
+        # for the feedback: which options, and a window shorter than some live sequence (the
+        # kernels then skip blocks)
+        w = opts.get("window")
+        core = self.cache._core
+        cuts = (isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+                and any(1 <= w < core.seq_len(s) for s in core.sequence_ids()))
+        self.opt_bits = (("window" in opts) | ("softcap" in opts) << 1 | ("sinks" in opts) << 2
+                         | cuts << 3)
+        return opts
+
     def _out(self, m, hq):
         b = self.b
         if b.chance(200):
@@ -948,8 +1061,9 @@ class Runner:
 
     def feature(self, name, outcome):
         """A number for (previous call, this call, its outcome, the shape of the sequence it
-        named): segments held, a partial last block, a step not yet written on every layer, a
-        shared last block, or no such sequence."""
+        named, the attention options it passed): segments held, a partial last block, a step not
+        yet written on every layer, a shared last block, or no such sequence; window, softcap,
+        sinks, a window shorter than a live sequence."""
         c, sid, shape = self.cache, self.target, 0
         if type(sid) is int and sid in c:
             core = c._core
@@ -960,7 +1074,8 @@ class Runner:
                      | (length % self.bs != 0) << 3 | (core.written_tokens(sid) < length) << 4
                      | (bool(table) and core.ref_count(table[-1]) > 1) << 5)
         op = _OP_INDEX[name]
-        f = ((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape
+        f = ((((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape) * 16
+             + self.opt_bits)
         self.prev = op
         return f
 
@@ -968,6 +1083,10 @@ class Runner:
         """Up to MAX_OPS calls.  The snapshot after a call is the next call's `before`; the
         invariants run after every call that changed the snapshot or the internals they read
         (so a run pays for checks in proportion to the calls that changed something)."""
+        with np.errstate(all="ignore"):  # NaN / inf data are the programs' own
+            self._run()
+
+    def _run(self):
         state, inner = self.snapshot(), self.internals()
         for _ in range(MAX_OPS):
             if self.b.left() <= 0:
@@ -977,8 +1096,7 @@ class Runner:
             live_before = self.live
             log_before = len(self.cache.eviction_log)
             try:
-                with np.errstate(all="ignore"):
-                    call()
+                call()
                 OUTCOMES[name, "ok"] += 1
                 outcome = "ok"
                 after = self.snapshot()
@@ -1005,8 +1123,8 @@ class Runner:
             if after != state or now != inner:
                 self.ids()
                 self.freed = sorted(set(self.freed) | (set(live_before) - set(self.live)))[-8:]
-                check_pool_invariants(self.cache)
-                self.check_state()
+                self.check_accounting(after, now)
+                self.check_state(after)
             state, inner = after, now
 
 
