@@ -51,7 +51,8 @@ every sequence is cut to its first S and last R tokens before each append, and R
 are ranks inside the cache.  transformers rotates keys and queries by their position in the
 stream *before* the cache sees them, so the choice made here is to **store keys un-rotated**:
 ``paged_cache`` puts a forward hook on the model's rotary embedding that, only during a forward
-whose ``past_key_values`` is a streaming ``PagedCache``, replaces (cos, sin) by (1, 0) — the
+whose cache (``cache=``, or ``past_key_values=`` before transformers 5.24) is a streaming
+``PagedCache``, replaces (cos, sin) by (1, 0) — the
 rotation becomes the identity, exactly — and the ``PagedKVCache`` is built with
 ``rope=RoPE(theta, rotary_dim)`` from the model's config, so the kernels rotate keys and queries
 by cache rank at every step.  The alternative (re-rotating stored keys by rank minus position)
@@ -672,7 +673,9 @@ class _RotaryGate:
         self.active = False
 
     def pre(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        # transformers 5.24 passes the cache to the base model as `cache`; earlier 5.x as
+        # `past_key_values`
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self.active = isinstance(cache, PagedCache) and cache.streaming is not None
 
     def post(self, module, args, kwargs, output):
