@@ -137,6 +137,17 @@ def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],
     return num_blocks_for_bytes(kv_cache_bytes, block_size, kv_dtype=kv_dtype, **geometry)
 
 
+def blocks_per_group(num_blocks, groups) -> Dict[str, int]:
+    """{group name: blocks} from ``num_blocks``: one count for every group, or a dict that
+    names exactly the model's groups (ValueError otherwise)."""
+    if not isinstance(num_blocks, dict):
+        return {name: num_blocks for name in groups}
+    if set(num_blocks) != set(groups):
+        raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
+                         f"{sorted(groups)}")
+    return dict(num_blocks)
+
+
 def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry, kv_dtype,
                   default_tokens: int, caps: Dict[str, Optional[int]]) -> Dict[str, int]:
     """{group name: blocks} of the batcher's pools.
@@ -149,15 +160,8 @@ def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry,
     """
     if num_blocks is not None and kv_cache_bytes is not None:
         raise TypeError("give num_blocks or kv_cache_bytes, not both")
-    if isinstance(num_blocks, dict):
-        unknown = sorted(set(num_blocks) - set(groups))
-        missing = sorted(set(groups) - set(num_blocks))
-        if unknown or missing:
-            raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
-                             f"{sorted(groups)}")
-        return dict(num_blocks)
     if num_blocks is not None:
-        return {name: num_blocks for name in groups}
+        return blocks_per_group(num_blocks, groups)
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or
                                        not isinstance(kv_cache_bytes, (int, np.integer))):
         raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")

@@ -77,8 +77,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.integrations.batching import (STEP_KWARG, ContinuousBatcher, kernel_options,
-                                           model_geometry, resolve_num_blocks, single_group)
+from pagedkv.integrations.batching import (STEP_KWARG, ContinuousBatcher, blocks_per_group,
+                                           kernel_options, model_geometry, resolve_num_blocks,
+                                           single_group)
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
@@ -193,15 +194,7 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     if kv_cache_bytes is not None or num_blocks is None:
         num_blocks = _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size,
                                        num_kv_heads, head_dim, dtype, kv_dtype)
-    if isinstance(num_blocks, dict):
-        unknown = sorted(set(num_blocks) - set(groups))
-        missing = sorted(set(groups) - set(num_blocks))
-        if unknown or missing:
-            raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
-                             f"{sorted(groups)}")
-        blocks_of = dict(num_blocks)
-    else:
-        blocks_of = {g: num_blocks for g in groups}
+    blocks_of = blocks_per_group(num_blocks, groups)
     base = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                 max_seqs=max_seqs)
     if dtype in ("bfloat16", "float16"):
