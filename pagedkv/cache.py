@@ -8,6 +8,7 @@ exposes exactly the documented API.  Where each concept lives:
     sequence table           pagedkv/_seqtable.pxi
     argument checks, calls   pagedkv/_core.pyx
     kernels, dispatch        include/pagedkv/ (attention.h has the table)
+    how policies hook in     pagedkv/policy.py
     StreamingLLM policy      pagedkv/streaming.py
     sequence eviction        pagedkv/eviction.py
     prefix caching           pagedkv/prefix.py
@@ -30,7 +31,8 @@ from pagedkv.eviction import (
     check_priority,
 )
 from pagedkv import persist
-from pagedkv.prefix import PrefixCache, append_batch_fn, append_fn
+from pagedkv.policy import PolicySet
+from pagedkv.prefix import PrefixCache
 from pagedkv.rope import RoPE
 from pagedkv.stats import CacheStats, collect
 from pagedkv.streaming import StreamingLLM
@@ -206,12 +208,14 @@ class PagedKVCache:
         self._core = core
         self._evictor = SequenceEvictor(core, *evictor_args)
         self._prefix = PrefixCache(core) if prefix_caching else None
-        if self._prefix is not None:
-            self._evictor.released = self._prefix.released
         self.streaming = streaming
         self.rope = rope
-        if streaming is not None:
-            core.set_streaming(streaming.sink_tokens, streaming.window_tokens)
+        # the policies, called in this order once per operation (pagedkv/policy.py)
+        policies = [p for p in (streaming, self._evictor, self._prefix) if p is not None]
+        self._policies = PolicySet(policies)
+        self._evictor.notify_released = PolicySet(
+            p for p in policies if p is not self._evictor).released
+        self._policies.attach(core)
         # the hot methods: the core's own (see the class docstring)
         self.attend = core.attend
         self.attend_batch = core.attend_batch
@@ -318,45 +322,34 @@ class PagedKVCache:
         ``cache_salt`` (any hashable) keeps its blocks apart from other
         salts' (e.g. per tenant)."""
         priority = check_priority(priority)
-        if token_ids is None and cache_salt is None:
-            if self._prefix is None:
-                return self._core.add_sequence(priority)
-            with self._core.hold():
-                sid = self._core.add_sequence(priority)
-                self._prefix.new_sequence(sid)
-            return sid
-        if self._prefix is None:
+        with self._core.hold():  # a policy's lookup and adopt as one step for other threads
+            sid = self._policies.start(priority, token_ids, cache_salt)
+            if sid is not None:
+                return sid
+        if token_ids is not None or cache_salt is not None:
             raise TypeError("token_ids= and cache_salt= are for caches made with "
                             "prefix_caching=True")
-        with self._core.hold():  # lookup and adopt as one step for other threads
-            return self._prefix.add_sequence([] if token_ids is None else token_ids, priority,
-                                             cache_salt)
+        return self._core.add_sequence(priority)
 
     def fork(self, sid: int) -> int:
         """New sequence sharing every block of `sid` (copy-on-write); it
         inherits the parent's priority."""
-        if self._prefix is None:
-            return self._core.fork(sid)
         with self._core.hold():
             child = self._core.fork(sid)
-            self._prefix.forked(sid, child)
+            self._policies.forked(sid, child)
         return child
 
     def truncate(self, sid: int, length: int) -> None:
         """Roll back to the first `length` held tokens."""
-        if self._prefix is None:
-            return self._core.truncate(sid, length)
         with self._core.hold():
             self._core.truncate(sid, length)
-            self._prefix.truncated(sid, length)
+            self._policies.truncated(sid, length)
 
     def free(self, sid: int) -> None:
         """Release a sequence and every block only it held."""
-        if self._prefix is None:
-            return self._core.free(sid)
         with self._core.hold():
             self._core.free(sid)
-            self._prefix.released(sid)
+            self._policies.released(sid)
 
     def seq_len(self, sid: int) -> int:
         """Tokens the sequence holds now (after eviction)."""
@@ -409,10 +402,9 @@ class PagedKVCache:
         tokens) or when the kept tokens would not form at most two runs (a
         sequence trimmed before with other sizes)."""
         StreamingLLM(sink_tokens, window_tokens)  # validates
-        if self._prefix is not None:
-            raise ValueError("apply_streaming_llm cannot be used with prefix_caching: the "
-                             "tokens a trimmed sequence holds no longer form a prefix")
-        evicted, _ = self._core.trim(sid, sink_tokens, window_tokens)
+        with self._core.hold():
+            self._policies.trimming(sid)  # prefix caching refuses
+            evicted, _ = self._core.trim(sid, sink_tokens, window_tokens)
         return evicted
 
     # ------------------------------------------------------------------
@@ -457,14 +449,10 @@ class PagedKVCache:
 
     @auto_evict.setter
     def auto_evict(self, on: bool) -> None:
-        self._auto_evict = bool(on)
-        owner = self._evictor if self._auto_evict else self._core
-        if self._prefix is None:
-            self.append = owner.append
-            self.append_batch = owner.append_batch
-        else:
-            self.append = append_fn(self._prefix, owner.append)
-            self.append_batch = append_batch_fn(self._prefix, owner.append_batch)
+        self._evictor.automatic = self._auto_evict = bool(on)
+        # each policy wraps the core's method or keeps it (then the hot path is the core's own)
+        self.append = self._policies.wrap_append(self._core.append)
+        self.append_batch = self._policies.wrap_append_batch(self._core.append_batch)
 
     def eviction_order(self, exclude: Iterable[int] = ()) -> List[int]:
         """Live sequence ids in the order the strategy would evict them."""
@@ -504,6 +492,22 @@ class PagedKVCache:
         documented in pagedkv/persist.py."""
         return persist.save(self, sid, path)
 
+    def _snapshot(self, sid: int):
+        """For persist.py: (the core's export of `sid` with its length, the
+        policies' state of it), taken as one step."""
+        with self._core.hold():
+            meta, blocks = self._core.export_seq(sid)
+            meta["length"] = self._core.seq_len(sid)
+            return meta, blocks, self._policies.saved(sid)
+
+    def _restore(self, meta: dict, payload, state: dict) -> int:
+        """For persist.py: a sequence imported from a file's header and payload, the
+        policies told of it with `state` (as ``_snapshot`` gave it), as one step."""
+        with self._core.hold():
+            sid = self._core.import_seq(meta, payload)
+            self._policies.loaded(sid, state)
+        return sid
+
     def load(self, path, priority: Optional[float] = None) -> int:
         """A new sequence read from a file written by ``save``; returns its id.
 
@@ -519,12 +523,10 @@ class PagedKVCache:
         """Move every used block to the lowest block ids (updating every block
         table and the prefix index) so that ``resize`` can hand the top of the
         pool back; returns the blocks moved.  Contents are unchanged."""
-        with self._core.hold():  # the moves and the index update as one step
-            if self._prefix is not None:
-                self._prefix.prune()
+        with self._core.hold():  # the moves and the policies' updates as one step
+            self._policies.compacting()
             moved, moved_to = self._core.compact()
-            if self._prefix is not None:
-                self._prefix.remap(moved_to)
+            self._policies.compacted(moved_to)
         return moved
 
     def resize(self, num_blocks: int) -> None:
@@ -533,8 +535,7 @@ class PagedKVCache:
         nothing.  ``max_blocks_per_seq`` stays as it was."""
         with self._core.hold():
             self._core.resize(num_blocks)
-            if self._prefix is not None:
-                self._prefix.prune()
+            self._policies.resized()
 
     # ------------------------------------------------------------------
     # statistics
@@ -542,7 +543,7 @@ class PagedKVCache:
     def stats(self) -> CacheStats:
         """A CacheStats snapshot (counts, bytes, fragmentation, activity)."""
         with self._core.hold():  # one consistent snapshot
-            return collect(self._core, self._evictor, self._prefix)
+            return collect(self._core, self._evictor, self._policies.stats())
 
     def __repr__(self) -> str:
         with self._core.hold():

@@ -32,6 +32,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 
 from pagedkv._core import OutOfBlocksError
+from pagedkv.policy import CachePolicy
 
 
 class EvictionStrategy(str, enum.Enum):
@@ -133,15 +134,16 @@ class EvictionRecord:
 OnEvict = Callable[[int, str], None]
 
 
-class SequenceEvictor:
+class SequenceEvictor(CachePolicy):
     """Whole-sequence eviction over a cache core (``pagedkv._core.CacheCore``).
 
     Holds the strategy, the default threshold, the ``on_evict`` callback, the
     log of recent evictions and the per-cause counters; reads usage, size and
     priority of the live sequences from the core.  PagedKVCache exposes it as
-    its eviction methods; its ``append`` / ``append_batch`` are the cache's
-    in automatic mode.  It holds no reference to the PagedKVCache, so binding
-    its methods on the cache makes no reference cycle.
+    its eviction methods.  As a CachePolicy (``pagedkv/policy.py``) it wraps
+    the cache's append methods while ``automatic`` is on.  It holds no
+    reference to the PagedKVCache, so binding its methods on the cache makes
+    no reference cycle.
     """
 
     def __init__(self, core, strategy: Union[str, EvictionStrategy] = EvictionStrategy.LRU,
@@ -154,8 +156,10 @@ class SequenceEvictor:
         self.log: "collections.deque[EvictionRecord]" = collections.deque(maxlen=1024)
         # cause -> [sequences, tokens, blocks]
         self._counts: Dict[str, List[int]] = {}
-        #: called with each evicted id before on_evict (the prefix cache's hook)
-        self.released: Optional[Callable[[int], None]] = None
+        #: called with each evicted id before on_evict (the other policies' ``released``)
+        self.notify_released: Optional[Callable[[int], None]] = None
+        #: whether the cache's appends evict other sequences instead of raising
+        self.automatic = False
 
     # settings, validated
     @property
@@ -229,8 +233,8 @@ class SequenceEvictor:
 
     def _evict(self, sid: int, cause: str, strategy: Optional[str]) -> int:
         tokens, blocks, freed = self._core.evict_sequence(sid)
-        if self.released is not None:
-            self.released(sid)
+        if self.notify_released is not None:
+            self.notify_released(sid)
         c = self._counts.setdefault(cause, [0, 0, 0])
         c[0] += 1
         c[1] += tokens
@@ -245,31 +249,39 @@ class SequenceEvictor:
         """cause -> (sequences, tokens, blocks) evicted so far."""
         return {cause: tuple(c) for cause, c in self._counts.items()}
 
-    # automatic mode
-    def append(self, sid, k, v, layer=0) -> Tuple[int, ...]:
-        """PagedKVCache.append that, when the pool is short, first evicts other
-        sequences by the strategy.  Returns the evicted ids."""
+    # automatic mode: the cache's append methods evict by the strategy when the pool is short
+    def wrap_append(self, inner):
+        if not self.automatic:
+            return inner
         core = self._core
-        with core.hold():  # the append, the evictions and the retry as one step
-            try:
-                core.append(sid, k, v, layer)
-                return ()
-            except OutOfBlocksError as e:
-                err = e
-            return self._make_room(err, id_set((sid,)), lambda: core.append(sid, k, v, layer))
 
-    def append_batch(self, sids, k, v, layer=0) -> Tuple[int, ...]:
-        """PagedKVCache.append_batch that, when the pool is short, first evicts
-        sequences outside `sids` by the strategy.  Returns the evicted ids."""
+        def append(sid, k, v, layer=0, token_ids=None) -> Tuple[int, ...]:
+            """Append; when the pool is short, first evict other sequences by the strategy.
+            Returns the evicted ids."""
+            with core.hold():  # the append, the evictions and the retry as one step
+                return self._with_room((sid,), lambda: inner(sid, k, v, layer, token_ids))
+
+        return append
+
+    def wrap_append_batch(self, inner):
+        if not self.automatic:
+            return inner
         core = self._core
-        with core.hold():
-            try:
-                core.append_batch(sids, k, v, layer)
-                return ()
-            except OutOfBlocksError as e:
-                err = e
-            return self._make_room(err, id_set(sids),
-                                   lambda: core.append_batch(sids, k, v, layer))
+
+        def append_batch(sids, k, v, layer=0, token_ids=None) -> Tuple[int, ...]:
+            """append_batch; when the pool is short, first evict sequences outside `sids`."""
+            with core.hold():
+                return self._with_room(sids, lambda: inner(sids, k, v, layer, token_ids))
+
+        return append_batch
+
+    def _with_room(self, sids, call) -> Tuple[int, ...]:
+        try:
+            call()
+            return ()
+        except OutOfBlocksError as e:
+            err = e
+        return self._make_room(err, id_set(sids), call)
 
     def _make_room(self, err: OutOfBlocksError, exclude: set, retry) -> Tuple[int, ...]:
         """Evict by the strategy (never `exclude`) until `retry()` stops
@@ -306,25 +318,25 @@ def id_set(ids) -> set:
     return {int(s) for s in ids}
 
 
-def check_priority(p) -> float:
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"priority must be a number, got {type(p).__name__}")
+def _as_float(x, what: str) -> float:
+    """x (a real number, not a bool) as a float; inf for an int beyond the float range."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what}, got {type(x).__name__}")
     try:
-        value = float(p)
-    except OverflowError:  # an int beyond the float range
-        value = math.inf
+        return float(x)
+    except OverflowError:
+        return math.inf
+
+
+def check_priority(p) -> float:
+    value = _as_float(p, "priority must be a number")
     if not math.isfinite(value):
         raise ValueError(f"priority must be a finite number, got {p}")
     return value
 
 
 def check_utilization(name, u) -> float:
-    if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(u).__name__}")
-    try:
-        value = float(u)
-    except OverflowError:  # an int beyond the float range
-        value = math.inf
+    value = _as_float(u, f"{name} must be a number in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {u}")
     return value

@@ -1,5 +1,11 @@
 """Save one sequence's K/V to a file and load it back (``cache.save`` / ``cache.load``).
 
+This module owns the file: its format, its checks and the write protocol.  It
+reaches the cache through its public properties and two internal methods,
+``cache._snapshot(sid)`` (the core's export of the sequence and its policies'
+state, e.g. the prefix cache's token ids and salt) and ``cache._restore(meta,
+payload, state)`` (import, then the policies are told: ``pagedkv/policy.py``).
+
 File format, version 2 (all integers little-endian)::
 
     offset  size  field
@@ -198,17 +204,12 @@ def _sync_directory(directory):
 def save(cache, sid, path) -> int:
     """Write sequence `sid` to `path` crash-consistently (see the module
     docstring); returns the bytes written."""
-    core = cache._core
-    with core.hold():  # one snapshot; the file is written after the lock is left
-        meta, blocks = core.export_seq(sid)
-        meta["length"] = cache.seq_len(sid)
-        tokens = cache._prefix.tokens_of(sid) if cache._prefix is not None else None
-        salt = cache._prefix.salt_of(sid) if cache._prefix is not None else None
+    meta, blocks, state = cache._snapshot(sid)  # the file is written after the lock is left
     header = json.dumps({
         "config": config_of(cache),
         "sequence": meta,
-        "token_ids": tokens,
-        "cache_salt": _salt_record(salt),
+        "token_ids": state.get("token_ids"),
+        "cache_salt": _salt_record(state.get("cache_salt")),
         "payload_bytes": int(blocks.nbytes),
     }, separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
@@ -342,11 +343,6 @@ def load(cache, path, priority=None) -> int:
                                or not all(type(t) is int for t in tokens)):
         raise CacheFileError(f"{os.fspath(path)}: malformed token_ids")
     registrable, salt = _salt_from(header.get("cache_salt"), path)
-    with cache._core.hold():  # the sequence and its prefix-index entries as one step
-        sid = cache._core.import_seq(meta, payload)
-        if cache._prefix is not None:
-            if tokens is not None and registrable:
-                cache._prefix.restored(sid, tokens, salt)
-            else:
-                cache._prefix.new_sequence(sid)
-    return sid
+    # a salt the file could not keep: its blocks are not registered (see the module docstring)
+    return cache._restore(meta, payload, {"token_ids": tokens if registrable else None,
+                                          "cache_salt": salt})

@@ -45,6 +45,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pagedkv.policy import CachePolicy
+
 
 class _Entry:
     """One registered full block."""
@@ -97,8 +99,9 @@ def token_list(token_ids, name: str = "token_ids") -> List[int]:
     return [int(t) for t in arr.tolist()]
 
 
-class PrefixCache:
-    """The prefix index of one cache core, its per-sequence chains and counters."""
+class PrefixCache(CachePolicy):
+    """The prefix index of one cache core, its per-sequence chains and counters;
+    a CachePolicy of the PagedKVCache (``pagedkv/policy.py``)."""
 
     def __init__(self, core):
         self._core = core
@@ -175,6 +178,14 @@ class PrefixCache:
             found.append(e)
             parent = e
         return found
+
+    def start(self, priority: float, token_ids, salt) -> int:
+        """Every sequence of a prefix-caching cache starts here (the policy hook)."""
+        if token_ids is None and salt is None:
+            sid = self._core.add_sequence(priority)
+            self.new_sequence(sid)
+            return sid
+        return self.add_sequence([] if token_ids is None else token_ids, priority, salt)
 
     def add_sequence(self, token_ids, priority: float, salt=None) -> int:
         """A new sequence starting with the cached blocks of the prompt's
@@ -297,6 +308,21 @@ class PrefixCache:
         self._seqs[int(sid)] = _SeqState(list(tokens), [], salt)
         self.register(sid)
 
+    # persistence (the policy hooks; persist.py encodes them)
+    def saved(self, sid: int) -> dict:
+        return {"token_ids": self.tokens_of(sid), "cache_salt": self.salt_of(sid)}
+
+    def loaded(self, sid: int, state: dict) -> None:
+        tokens = state.get("token_ids")
+        if tokens is None:
+            self.new_sequence(sid)  # unknown ids (or a salt not kept): nothing to register
+        else:
+            self.restored(sid, tokens, state.get("cache_salt"))
+
+    def trimming(self, sid: int) -> None:
+        raise ValueError("apply_streaming_llm cannot be used with prefix_caching: the "
+                         "tokens a trimmed sequence holds no longer form a prefix")
+
     # ------------------------------------------------------------------
     # pool changes
 
@@ -306,15 +332,53 @@ class PrefixCache:
             self._copies(key)
         self._by_block = {e.block: e for e in self._entries()}
 
-    def remap(self, moved_to: np.ndarray) -> None:
-        """After compaction: the entries follow their blocks.  Call prune()
-        before compacting (an entry must be valid to be followed)."""
+    def compacted(self, moved_to: np.ndarray) -> None:
+        """After compaction: the entries follow their blocks (compacting() pruned
+        the index first: an entry must be valid to be followed)."""
         for e in self._entries():
             b = int(moved_to[e.block])
             if b != e.block:
                 e.block = b
                 e.gen = self._pool.generation(b)
         self.prune()
+
+    compacting = resized = prune
+
+    # the cache's append methods: `inner` (the core's, or the evictor's in automatic
+    # mode), then the index entries of what it filled, as one step for other threads
+    def wrap_append(self, inner):
+        hold = self._core.hold
+
+        def append(sid, k, v, layer=0, token_ids=None):
+            ids = _checked_ids(token_ids, _count(k), "tokens")
+            with hold():
+                result = inner(sid, k, v, layer)
+                self._wrote(sid, len(k), layer, ids)
+            return result
+
+        append.__doc__ = "Append n tokens' K/V; token_ids (layer 0): their ids, for prefix caching."
+        return append
+
+    def wrap_append_batch(self, inner):
+        hold = self._core.hold
+
+        def append_batch(sids, k, v, layer=0, token_ids=None):
+            ids = _checked_ids(token_ids, _count(sids), "sequences")
+            with hold():
+                result = inner(sids, k, v, layer)
+                for i, sid in enumerate(sids):
+                    self._wrote(sid, 1, layer, None if ids is None else ids[i:i + 1])
+            return result
+
+        append_batch.__doc__ = "Append one token per sequence; token_ids (layer 0): one id each."
+        return append_batch
+
+    def _wrote(self, sid: int, n: int, layer: int, ids: Optional[List[int]]) -> None:
+        if layer == 0:
+            self.appended(sid, n, ids)
+        else:
+            self.rewrote(sid, n)
+        self.register(sid)
 
     # ------------------------------------------------------------------
     # statistics
@@ -329,9 +393,13 @@ class PrefixCache:
         """(hit blocks, miss blocks, hit tokens, miss tokens)."""
         return self.hit_blocks, self.miss_blocks, self.hit_tokens, self.miss_tokens
 
+    def stats(self) -> dict:
+        lookups = self.hit_blocks + self.miss_blocks
+        return dict(prefix_caching=True, prefix_hit_blocks=self.hit_blocks,
+                    prefix_miss_blocks=self.miss_blocks, prefix_hit_tokens=self.hit_tokens,
+                    prefix_miss_tokens=self.miss_tokens,
+                    prefix_hit_rate=self.hit_blocks / lookups if lookups else 0.0)
 
-# ----------------------------------------------------------------------
-# the append methods of a prefix-caching PagedKVCache
 
 def _count(k) -> Optional[int]:
     try:
@@ -340,54 +408,11 @@ def _count(k) -> Optional[int]:
         return None  # not an array: the core raises the real error
 
 
-def append_fn(prefix: PrefixCache, inner):
-    """``append(sid, k, v, layer=0, token_ids=None)`` calling `inner` (the
-    core's or the evictor's append) and registering what it filled."""
-
-    hold = prefix._core.hold
-
-    def append(sid, k, v, layer=0, token_ids=None):
-        ids = None
-        if token_ids is not None:
-            ids = token_list(token_ids)
-            n = _count(k)
-            if n is not None and len(ids) != n:
-                raise ValueError(f"token_ids has {len(ids)} ids for {n} tokens")
-        with hold():  # the append and its index entries as one step for other threads
-            result = inner(sid, k, v, layer)
-            if layer == 0:
-                prefix.appended(sid, len(k), ids)
-            else:
-                prefix.rewrote(sid, len(k))
-            prefix.register(sid)
-        return result
-
-    append.__doc__ = "Append n tokens' K/V; token_ids (layer 0): their ids, for prefix caching."
-    return append
-
-
-def append_batch_fn(prefix: PrefixCache, inner):
-    """``append_batch(sids, k, v, layer=0, token_ids=None)``: as append_fn,
-    one token (and one id) per sequence."""
-
-    hold = prefix._core.hold
-
-    def append_batch(sids, k, v, layer=0, token_ids=None):
-        ids = None
-        if token_ids is not None:
-            ids = token_list(token_ids)
-            n = _count(sids)
-            if n is not None and len(ids) != n:
-                raise ValueError(f"token_ids has {len(ids)} ids for {n} sequences")
-        with hold():
-            result = inner(sids, k, v, layer)
-            for i, sid in enumerate(sids):
-                if layer == 0:
-                    prefix.appended(sid, 1, None if ids is None else ids[i:i + 1])
-                else:
-                    prefix.rewrote(sid, 1)
-                prefix.register(sid)
-        return result
-
-    append_batch.__doc__ = "Append one token per sequence; token_ids (layer 0): one id each."
-    return append_batch
+def _checked_ids(token_ids, n: Optional[int], what: str) -> Optional[List[int]]:
+    """token_ids as a list of ints, one per appended token (None: none given)."""
+    if token_ids is None:
+        return None
+    ids = token_list(token_ids)
+    if n is not None and len(ids) != n:
+        raise ValueError(f"token_ids has {len(ids)} ids for {n} {what}")
+    return ids

@@ -96,9 +96,13 @@ def format_stats(s: CacheStats) -> str:
     return "\n".join(lines)
 
 
-def collect(core, evictor, prefix=None) -> CacheStats:
-    """A CacheStats snapshot of a cache core, its SequenceEvictor and its
-    PrefixCache (None when prefix caching is off)."""
+_POLICY_DEFAULTS = dict(prefix_caching=False, prefix_hit_blocks=0, prefix_miss_blocks=0,
+                        prefix_hit_tokens=0, prefix_miss_tokens=0, prefix_hit_rate=0.0)
+
+
+def collect(core, evictor, policy_fields=None) -> CacheStats:
+    """A CacheStats snapshot of a cache core, its SequenceEvictor and the
+    fields its policies fill in (``PolicySet.stats()``: prefix caching's)."""
     pool, seqs = core.pool, core.seqs
     infos = core.sequence_infos()
     tokens = sum(row[3] for row in infos)
@@ -108,7 +112,6 @@ def collect(core, evictor, prefix=None) -> CacheStats:
     (stream_tok, stream_blk), (shot_tok, shot_blk) = seqs.trimmed()
     evicted = evictor.counts()
     runs, largest = pool.free_runs()
-    hit_b, miss_b, hit_t, miss_t = prefix.counts() if prefix is not None else (0, 0, 0, 0)
     by_cause = {}
 
     def put(cause, unit, n):
@@ -148,12 +151,7 @@ def collect(core, evictor, prefix=None) -> CacheStats:
         evicted_tokens=stream_tok + shot_tok + sum(c[1] for c in evicted.values()),
         evicted_blocks=stream_blk + shot_blk + sum(c[2] for c in evicted.values()),
         evicted_sequences=sum(c[0] for c in evicted.values()),
-        prefix_caching=prefix is not None,
-        prefix_hit_blocks=hit_b,
-        prefix_miss_blocks=miss_b,
-        prefix_hit_tokens=hit_t,
-        prefix_miss_tokens=miss_t,
-        prefix_hit_rate=hit_b / (hit_b + miss_b) if hit_b + miss_b else 0.0,
         cached_free_blocks=pool.num_cached_free,
         evictions_by_cause=by_cause,
+        **{**_POLICY_DEFAULTS, **(policy_fields or {})},
     )

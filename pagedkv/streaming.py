@@ -5,9 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.policy import CachePolicy
+
 
 @dataclass(frozen=True)
-class StreamingLLM:
+class StreamingLLM(CachePolicy):
     """Keep the first ``sink_tokens`` and the last ``window_tokens`` tokens.
 
     Semantics of the reference implementation's evaluation loop: before an
@@ -40,6 +42,11 @@ class StreamingLLM:
             object.__setattr__(self, name, int(v))  # a NumPy int would overflow in sums
         if self.sink_tokens + self.window_tokens < 1:
             raise ValueError("sink_tokens + window_tokens must be at least 1")
+
+    def attach(self, core) -> None:
+        """The policy hook (``pagedkv/policy.py``): the core trims every sequence
+        before each layer-0 append (``_seqtable.pxi`` holds the mechanics)."""
+        core.set_streaming(self.sink_tokens, self.window_tokens)
 
     def max_blocks(self, block_size: int, n: int = 1) -> int:
         """Blocks a sequence can hold under this policy when appending n tokens at a

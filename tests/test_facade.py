@@ -45,10 +45,11 @@ def test_auto_evict_rebinds_append_without_changing_the_class():
     cache = make(num_blocks=4)
     cache.auto_evict = True
     assert type(cache) is pagedkv.PagedKVCache
-    assert cache.append == cache._evictor.append
+    assert cache.append != cache._core.append           # the evictor's wrapper
     assert cache.attend == cache._core.attend           # attention is never wrapped
     cache.auto_evict = False
     assert cache.append == cache._core.append
+    assert cache.append_batch == cache._core.append_batch
 
 
 def test_class_level_methods_work_unbound():
