@@ -82,15 +82,30 @@ class CachePolicy:
         return {}
 
 
+def _each(name: str):
+    """A PolicySet hook calling hook `name` of every policy in order."""
+    def hook(self, *args):
+        for p in self.policies:
+            getattr(p, name)(*args)
+    hook.__name__ = name
+    return hook
+
+
 class PolicySet(CachePolicy):
     """The policies of one cache, called in order; itself a CachePolicy."""
 
     def __init__(self, policies: Iterable[CachePolicy]):
         self.policies = tuple(policies)
 
-    def attach(self, core) -> None:
-        for p in self.policies:
-            p.attach(core)
+    attach = _each("attach")
+    forked = _each("forked")
+    truncated = _each("truncated")
+    released = _each("released")
+    trimming = _each("trimming")
+    compacting = _each("compacting")
+    compacted = _each("compacted")
+    resized = _each("resized")
+    loaded = _each("loaded")
 
     def wrap_append(self, fn):
         for p in self.policies:
@@ -109,43 +124,11 @@ class PolicySet(CachePolicy):
                 return sid
         return None
 
-    def forked(self, parent, child):
-        for p in self.policies:
-            p.forked(parent, child)
-
-    def truncated(self, sid, length):
-        for p in self.policies:
-            p.truncated(sid, length)
-
-    def released(self, sid):
-        for p in self.policies:
-            p.released(sid)
-
-    def trimming(self, sid):
-        for p in self.policies:
-            p.trimming(sid)
-
-    def compacting(self):
-        for p in self.policies:
-            p.compacting()
-
-    def compacted(self, moved_to):
-        for p in self.policies:
-            p.compacted(moved_to)
-
-    def resized(self):
-        for p in self.policies:
-            p.resized()
-
     def saved(self, sid):
         state: Dict[str, Any] = {}
         for p in self.policies:
             state.update(p.saved(sid))
         return state
-
-    def loaded(self, sid, state):
-        for p in self.policies:
-            p.loaded(sid, state)
 
     def stats(self):
         fields: Dict[str, Any] = {}

@@ -347,31 +347,32 @@ class PrefixCache(CachePolicy):
     # the cache's append methods: `inner` (the core's, or the evictor's in automatic
     # mode), then the index entries of what it filled, as one step for other threads
     def wrap_append(self, inner):
-        hold = self._core.hold
-
         def append(sid, k, v, layer=0, token_ids=None):
-            ids = _checked_ids(token_ids, _count(k), "tokens")
-            with hold():
-                result = inner(sid, k, v, layer)
-                self._wrote(sid, len(k), layer, ids)
-            return result
+            n = _count(k)
+            return self._append(inner, (sid, k, v, layer), [(sid, n)], n, token_ids, "tokens")
 
         append.__doc__ = "Append n tokens' K/V; token_ids (layer 0): their ids, for prefix caching."
         return append
 
     def wrap_append_batch(self, inner):
-        hold = self._core.hold
-
         def append_batch(sids, k, v, layer=0, token_ids=None):
-            ids = _checked_ids(token_ids, _count(sids), "sequences")
-            with hold():
-                result = inner(sids, k, v, layer)
-                for i, sid in enumerate(sids):
-                    self._wrote(sid, 1, layer, None if ids is None else ids[i:i + 1])
-            return result
+            n = _count(sids)
+            return self._append(inner, (sids, k, v, layer), [(s, 1) for s in sids] if n else [],
+                                n, token_ids, "sequences")
 
         append_batch.__doc__ = "Append one token per sequence; token_ids (layer 0): one id each."
         return append_batch
+
+    def _append(self, inner, args, pieces, n, token_ids, what):
+        """inner(*args), then each (sid, tokens) piece it wrote is registered."""
+        ids = _checked_ids(token_ids, n, what)
+        with self._core.hold():
+            result = inner(*args)
+            layer, at = args[3], 0
+            for sid, m in pieces:
+                self._wrote(sid, m, layer, None if ids is None else ids[at:at + m])
+                at += m
+        return result
 
     def _wrote(self, sid: int, n: int, layer: int, ids: Optional[List[int]]) -> None:
         if layer == 0:
