@@ -1,6 +1,6 @@
 """Plain NumPy reference for the pagedkv tests (a helper module, not a test file).
 
-Everything here is written against the public contract in ``shared/design.md`` §2 only:
+Everything here is written against the public API (the README and the docstrings) only:
 
 * ``ref_attention`` is a direct, unoptimised attention computed in float64.
 * ``TOL`` is the tolerance table.  For a cache of dtype ``T`` the kernels must match the reference
@@ -462,3 +462,19 @@ def check_prefix_index(cache, prefix, counts, stats):
         full = min(core.written_tokens(sid), len(st.tokens)) // bs
         assert len(st.chain) == full or forced and len(st.chain) < full, (
             f"sequence {sid}: {len(st.chain)} blocks registered of {full} full with known ids")
+
+
+def rope_rotate(x, positions, theta=10000.0, rotary_dim=None):
+    """Rotate-half RoPE of x [m, H, D] at positions [m], in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    d = x.shape[-1]
+    rd = d if rotary_dim is None else rotary_dim
+    half = rd // 2
+    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.copy()
+    x0, x1 = x[..., :half], x[..., half:rd]
+    out[..., :half] = x0 * c - x1 * s
+    out[..., half:rd] = x1 * c + x0 * s
+    return out

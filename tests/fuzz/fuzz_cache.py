@@ -9,7 +9,7 @@ core is built by GCC, which atheris cannot instrument) and from program.FEEDBACK
 (previous call, call, outcome, shape of the sequence it named) counts as a branch of its own.  A failure is an exception outside the
 documented ones, a raised call that changed the cache, broken block accounting, or (on replay) a
 sanitizer report; save the crashing input under tests/fuzz/regressions/
-(tests/test_fuzz_programs.py runs them all).
+(tests/reliability/test_fuzz_programs.py runs them all).
 """
 import atexit
 import os

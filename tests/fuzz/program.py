@@ -2,7 +2,7 @@
 
 Shared by the atheris harness (tests/fuzz/fuzz_cache.py, coverage-guided over the in-place build;
 tools/fuzz.sh --replay runs what it kept under the sanitizer build) and by
-tests/test_fuzz_programs.py (saved regressions plus random byte strings, in every test run).  A
+tests/reliability/test_fuzz_programs.py (saved regressions plus random byte strings, in every test run).  A
 program builds a small cache from the bytes (arrays of float32, float64, float16 or bfloat16, raw
 16-bit bit patterns, storage kv_dtype, prefix caching, StreamingLLM, RoPE, automatic eviction:
 each chosen, sometimes wrongly), then runs up to MAX_OPS public calls with

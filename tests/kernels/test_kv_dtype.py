@@ -23,7 +23,7 @@ import pagedkv
 from reference import (KV_DTYPES, KV_TOL, KV_TOL_OUTLIER, assert_attention_close, build_random_cache, math_scale,
                        random_tokens, ref_attention, ref_stored, snapshot, assert_unchanged)
 from test_simd_paths import SUPPORTED, run_script
-from test_streaming import rope_rotate
+from reference import rope_rotate
 
 # (kv_dtype, dtype) pairs below the compute dtype
 PAIRS = [(kv, dt) for dt in ("float32", "float64") for kv in KV_DTYPES] + [("float32", "float64")]

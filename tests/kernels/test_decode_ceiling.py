@@ -12,7 +12,7 @@ import pytest
 import pagedkv
 from reference import ref_attention
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _xor_bytes(*arrays):

@@ -11,7 +11,7 @@ import pagedkv
 from fuzz.program import run_program
 from profiles import depth
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 REGRESSIONS = os.path.join(HERE, "fuzz", "regressions")
 
 

@@ -9,8 +9,6 @@ before the window never read, and bad option values raising with the cache uncha
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -19,8 +17,8 @@ import pytest
 import pagedkv
 from reference import (assert_attention_close, assert_unchanged, build_random_cache, math_scale,
                        mid_block_length, random_tokens, ref_attention_options, snapshot)
-from test_simd_paths import PKG_PARENT, SUPPORTED, TESTS_DIR
-from test_streaming import rope_rotate
+from test_simd_paths import SUPPORTED, run_script
+from reference import rope_rotate
 
 BLOCK_SIZES = (1, 2, 3, 5, 8, 16, 17, 32, 64)
 HEAD_DIMS = (3, 16, 33, 64, 80, 96, 128, 256)
@@ -222,12 +220,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_every_simd_path(backend):
-    env = dict(os.environ, PAGEDKV_SIMD=backend, OMP_NUM_THREADS="2", PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, TESTS_DIR] + (
-        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=TESTS_DIR)
-    assert proc.returncode == 0 and "OPTIONS-OK" in proc.stdout, proc.stdout + proc.stderr
+    run_script(SCRIPT, "OPTIONS-OK", timeout=600, PAGEDKV_SIMD=backend, OMP_NUM_THREADS="2")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,4 +1,4 @@
-"""The hot path allocates nothing (design.md §1, "Rules of thumb").
+"""The hot path allocates nothing: appending, attention and decode steps reuse the pool.
 
 tracemalloc sees every Python-level allocation (objects and numpy data buffers).  It is started
 before the warm-up, so anything created once (caches of method lookups, first-touch structures)

@@ -1,6 +1,6 @@
 """Every SIMD path the machine supports, and 1 vs 2 threads, agree with the reference.
 
-The kernel path is chosen once at import (design.md §5), so each configuration runs in a fresh
+The kernel path is chosen once at import (``pagedkv.simd_backend()``), so each configuration runs in a fresh
 interpreter with PAGEDKV_SIMD / OMP_NUM_THREADS set in its environment.
 """
 
@@ -14,7 +14,8 @@ import pytest
 
 import pagedkv
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+KERNEL_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(KERNEL_TESTS_DIR)
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
 
 
@@ -81,17 +82,18 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(script, marker, **env_updates):
+def run_script(script, marker, timeout=300, **env_updates):
     """Run `script` in a fresh interpreter (the tests folder importable) with env_updates set
     (e.g. PAGEDKV_SIMD=...); assert it exits 0 and prints `marker`; return its stdout."""
     env = dict(os.environ)
     env.update(env_updates)
     env["PYTHONPATH"] = os.pathsep.join(
-        [PKG_PARENT, TESTS_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        [PKG_PARENT, TESTS_DIR, KERNEL_TESTS_DIR]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
         cwd=TESTS_DIR,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

@@ -69,7 +69,7 @@ def test_save_load_round_trip_bit_for_bit(tmp_path, rng, dtype, length):
 @pytest.mark.parametrize("how", ["new", "truncated"])
 def test_save_load_empty_sequence(tmp_path, rng, how):
     # regression: saving a sequence that holds no block raised TypeError (a memoryview cast of
-    # the [0, bytes_per_block] payload); found by tests/test_state_machine_full.py
+    # the [0, bytes_per_block] payload); found by tests/reliability/test_state_machine_full.py
     src = make()
     sid = src.add_sequence(priority=1.5)
     if how == "truncated":

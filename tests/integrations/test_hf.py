@@ -268,7 +268,7 @@ def test_readme_hf_example(capsys):
     import pathlib
     import re
 
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
     if not readme.exists():
         pytest.skip("README.md is not next to the tests (installed copy)")
     (code,) = re.findall(r"```python hf\n(.*?)```", readme.read_text(), re.S)

@@ -16,23 +16,7 @@ import pytest
 
 import pagedkv
 from reference import (assert_attention_close, assert_unchanged, check_pool_invariants,
-                       ref_attention, snapshot)
-
-
-def rope_rotate(x, positions, theta=10000.0, rotary_dim=None):
-    """Rotate-half RoPE of x [m, H, D] at positions [m], in float64."""
-    x = np.asarray(x, dtype=np.float64)
-    d = x.shape[-1]
-    rd = d if rotary_dim is None else rotary_dim
-    half = rd // 2
-    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    out = x.copy()
-    x0, x1 = x[..., :half], x[..., half:rd]
-    out[..., :half] = x0 * c - x1 * s
-    out[..., half:rd] = x1 * c + x0 * s
-    return out
+                       ref_attention, rope_rotate, snapshot)
 
 
 class PaperLoop:

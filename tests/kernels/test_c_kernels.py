@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "run.sh")
+RUN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "c", "run.sh")
 CC = os.environ.get("CC", "cc")
 
 
