@@ -332,7 +332,7 @@ def test_roll_back_into_the_head_and_recompute_keeps_the_chain_hit_able():
     # regression: after a roll-back into block 0 the recomputed head got a new index entry; the
     # old blocks 1.. (still cached) named the old head as parent, and the parent check was by
     # identity, so registration stopped at block 1 for good and every later block of the
-    # sequence stayed unregistered (found by tests/reliability/test_state_machine_full.py's model)
+    # sequence stayed unregistered (found by tests/reliability/test_state_machine_prefix.py's model)
     cache = make(num_blocks=16, block_size=2, layers=2)
     p = list(range(1, 8))                    # blocks (1,2) (3,4) (5,6), then 7
     a = cache.add_sequence(token_ids=p)
@@ -352,7 +352,7 @@ def test_block_shared_at_truncate_then_written_in_place_is_no_longer_a_hit():
     # regression: truncating into a registered block that another sequence shared left it
     # registered (only a private block was forgotten); once the other sequence let go of it, the
     # next append wrote into it in place and a hit on the old ids read the new token's K/V
-    # (found by tests/reliability/test_state_machine_full.py's model)
+    # (found by tests/reliability/test_state_machine_prefix.py's model)
     cache = make(num_blocks=8, block_size=2, layers=2)
     p = [1, 2, 3, 4, 5]
     w = cache.add_sequence(token_ids=p)
