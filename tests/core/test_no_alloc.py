@@ -47,6 +47,23 @@ class _Traced:
         return False
 
 
+def _growth(cache, loop):
+    """Run loop() with the garbage collector off; return how much it grew: blocks taken from
+    the pool, traced bytes (current, and peak over the start), resident bytes."""
+    gc.collect()
+    gc.disable()
+    try:
+        free, rss = cache.num_free_blocks, rss_bytes()
+        start = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loop()
+        current, peak = tracemalloc.get_traced_memory()
+        return dict(blocks=free - cache.num_free_blocks, traced=current - start,
+                    peak=peak - start, rss=rss_bytes() - rss)
+    finally:
+        gc.enable()
+
+
 def _touch_whole_pool(cache, rng):
     """Write every slot of every block once (so its pages are resident), then give them back."""
     sid = cache.add_sequence()
@@ -79,23 +96,15 @@ def test_single_token_appends_allocate_nothing(rng, kv_dtype):
         for _ in range(warm):
             append(sid, k, v)
         assert cache.seq_len(sid) == warm
-        gc.collect()
-        gc.disable()
-        try:
-            free_before = cache.num_free_blocks
-            traced_before = tracemalloc.get_traced_memory()[0]
-            rss_before = rss_bytes()
+
+        def loop():
             for _ in range(N_APPENDS):
                 append(sid, k, v)
-            rss_after = rss_bytes()
-            traced_after = tracemalloc.get_traced_memory()[0]
-            free_after = cache.num_free_blocks
-        finally:
-            gc.enable()
+
+        grew = _growth(cache, loop)
     assert cache.seq_len(sid) == warm + N_APPENDS
-    assert free_before - free_after == -(-N_APPENDS // BS) == 625
-    assert traced_after - traced_before < KIB, traced_after - traced_before
-    assert rss_after - rss_before < MIB, rss_after - rss_before
+    assert grew["blocks"] == -(-N_APPENDS // BS) == 625
+    assert grew["traced"] < KIB and grew["rss"] < MIB, grew
     # And the tokens really landed.
     gk, gv = cache.gather(sid)
     np.testing.assert_array_equal(gk[-1], ref_stored(k, kv_dtype, np.float32)[0])
@@ -117,18 +126,14 @@ def test_single_token_append_creates_no_temporary_arrays(rng, kv_dtype):
         append = cache.append
         for _ in range(BS):
             append(sid, k, v)
-        gc.collect()
-        gc.disable()
-        try:
-            start = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
+
+        def loop():
             for _ in range(500):
                 append(sid, k, v)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            gc.enable()
+
+        grew = _growth(cache, loop)
     assert cache.seq_len(sid) == BS + 500
-    assert peak - start < KIB, peak - start
+    assert grew["peak"] < KIB, grew
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -155,26 +160,17 @@ def test_decode_step_with_out_allocates_nothing(rng, kv_dtype):
         for _ in range(50):
             append_batch(sids, k, v)
             attend_batch(sids, q, out=out)
-        gc.collect()
-        gc.disable()
-        try:
-            free_before = cache.num_free_blocks
-            traced_before = tracemalloc.get_traced_memory()[0]
-            rss_before = rss_bytes()
+
+        def loop():
             for _ in range(steps):
                 append_batch(sids, k, v)
                 attend_batch(sids, q, out=out)
-            rss_after = rss_bytes()
-            traced_after = tracemalloc.get_traced_memory()[0]
-            free_after = cache.num_free_blocks
-        finally:
-            gc.enable()
+
+        grew = _growth(cache, loop)
     length = prompt + 50 + steps
     assert all(cache.seq_len(int(s)) == length for s in sids)
-    expected_blocks = batch * (-(-length // BS) - -(-(prompt + 50) // BS))
-    assert free_before - free_after == expected_blocks
-    assert traced_after - traced_before < KIB, traced_after - traced_before
-    assert rss_after - rss_before < MIB, rss_after - rss_before
+    assert grew["blocks"] == batch * (-(-length // BS) - -(-(prompt + 50) // BS))
+    assert grew["traced"] < KIB and grew["rss"] < MIB, grew
     assert np.isfinite(out).all()
 
 
@@ -197,17 +193,12 @@ def test_attend_with_out_creates_no_temporary_arrays(rng, kv_dtype):
         for _ in range(20):
             attend(sid0, q1, out=out1)
             attend_batch(sids, qb, out=outb)
-        gc.collect()
-        gc.disable()
-        try:
-            start = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
+
+        def loop():
             for _ in range(300):
                 attend(sid0, q1, out=out1)
                 attend_batch(sids, qb, out=outb)
-            current, peak = tracemalloc.get_traced_memory()
-        finally:
-            gc.enable()
-    assert current - start < KIB, current - start
-    assert peak - start < KIB, peak - start
+
+        grew = _growth(cache, loop)
+    assert grew["traced"] < KIB and grew["peak"] < KIB, grew
     np.testing.assert_allclose(out1, cache.attend(sid0, q1), rtol=1e-6, atol=1e-6)

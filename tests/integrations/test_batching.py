@@ -7,33 +7,18 @@ and DynamicCache, generating one prompt at a time.  Greedy tokens must be identi
 small pools force preemption.  The second half runs the sliding-window and hybrid families of
 test_hf_families (one sequence per layer group) against their own generate().
 """
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
-    pytest.skip("the hf extra (transformers, torch) is not installed: pip install '.[hf]'",
-                allow_module_level=True)
+from tiny_llama import VOCAB, llama_config, twin_llamas  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from pagedkv.integrations.hf import ContinuousBatcher, paged_cache  # noqa: E402
 
-VOCAB = 96
 BS = 8  # block size of most tests: prompts cross several blocks
-
-
-def _config(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    base.update(kw)
-    return LlamaConfig(**base)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,11 +38,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def models():
     """(model for the batcher, reference model): the same random weights, two modules."""
-    torch.manual_seed(4321)
-    ours = LlamaForCausalLM(_config()).eval()
-    ref = LlamaForCausalLM(_config()).eval()   # its own config: it keeps sdpa
-    ref.load_state_dict(ours.state_dict())
-    return ours, ref
+    return twin_llamas(4321)
 
 
 _REF = {}
@@ -350,7 +331,7 @@ def test_16bit_model_matches_paged_generate(dtype):
     """A bfloat16 / float16 model (no model.float()): the tokens of generate() on a
     paged_cache of the same model, prompt by prompt (the same kernels and roundings)."""
     torch.manual_seed(99)
-    model = LlamaForCausalLM(_config()).eval().to(dtype)
+    model = LlamaForCausalLM(llama_config()).eval().to(dtype)
     prompts = _prompts(13, [11, 26, 3])
     want = []
     with torch.no_grad():
@@ -708,7 +689,7 @@ def test_sliding_combinations_refused_at_construction():
     with pytest.raises(AttributeError, match="groups"):       # two caches: no single .cache
         b.cache
     torch.manual_seed(0)
-    chunked = LlamaForCausalLM(_config()).eval()
+    chunked = LlamaForCausalLM(llama_config()).eval()
     chunked.config.layer_types = [FU, "chunked_attention"]
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         ContinuousBatcher(chunked, num_blocks=16)

@@ -5,44 +5,25 @@ once with pagedkv (cache + attention) and once, on an identical copy of the weig
 default DynamicCache and sdpa.  Tokens must be identical; logits within rel 1e-5 (f32).
 The StreamingLLM test compares with a NumPy re-run of the same model with the paper's cache.
 """
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
-    pytest.skip("the hf extra (transformers, torch) is not installed: pip install '.[hf]'",
-                allow_module_level=True)
+from tiny_llama import llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.hf import PagedCache, paged_cache  # noqa: E402
 
-VOCAB = 96
 LOGIT_RTOL = 1e-5
-
-
-def _config(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    base.update(kw)
-    return LlamaConfig(**base)
 
 
 @pytest.fixture(scope="module")
 def models():
     """(pagedkv model, reference model): the same random weights, two modules."""
-    torch.manual_seed(1234)
-    ours = LlamaForCausalLM(_config()).eval()
-    ref = LlamaForCausalLM(_config()).eval()   # its own config: it keeps sdpa
-    ref.load_state_dict(ours.state_dict())
-    return ours, ref
+    return twin_llamas(1234)
 
 
 def _gen(model, ids, **kw):
@@ -58,14 +39,9 @@ def _same(ref, out, mask=None):
         assert (a - b).abs().max().item() <= LOGIT_RTOL * scale
 
 
-def _prompt(seed, batch, length):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=g)
-
-
 def test_greedy_32_tokens_match_dynamic_cache(models):
     ours, ref = models
-    ids = _prompt(1, 1, 20)
+    ids = prompt_ids(1, 1, 20)
     cache = paged_cache(ours, num_blocks=32, block_size=16)
     assert isinstance(cache, PagedCache) and isinstance(cache.paged, pagedkv.PagedKVCache)
     assert ours.config._attn_implementation == "pagedkv"
@@ -79,7 +55,7 @@ def test_greedy_32_tokens_match_dynamic_cache(models):
 
 def test_left_padded_batch_of_three(models):
     ours, ref = models
-    ids = _prompt(2, 3, 14)
+    ids = prompt_ids(2, 3, 14)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     mask[2, :11] = 0
@@ -94,7 +70,7 @@ def test_left_padded_batch_of_three(models):
 
 def test_prompt_prefilled_in_two_chunks_then_second_turn(models):
     ours, ref = models
-    ids = _prompt(3, 1, 37)
+    ids = prompt_ids(3, 1, 37)
     dyn = DynamicCache(config=ref.config)
     cache = paged_cache(ours, num_blocks=32, block_size=16)
     with torch.no_grad():
@@ -105,7 +81,7 @@ def test_prompt_prefilled_in_two_chunks_then_second_turn(models):
     first = _gen(ours, ids, max_new_tokens=16, past_key_values=cache)
     _same(first_ref, first)
     # the same caches, a second turn: the history plus a new user message
-    turn2 = torch.cat([first_ref.sequences, _prompt(4, 1, 9)], dim=1)
+    turn2 = torch.cat([first_ref.sequences, prompt_ids(4, 1, 9)], dim=1)
     _same(_gen(ref, turn2, max_new_tokens=16, past_key_values=dyn),
           _gen(ours, turn2, max_new_tokens=16, past_key_values=cache))
     assert cache.get_seq_length() == dyn.get_seq_length()
@@ -113,7 +89,7 @@ def test_prompt_prefilled_in_two_chunks_then_second_turn(models):
 
 def test_beam_search_three_beams(models):
     ours, ref = models
-    ids = _prompt(5, 1, 18)
+    ids = prompt_ids(5, 1, 18)
     cache = paged_cache(ours, num_blocks=32, block_size=4)
     kw = dict(num_beams=3, max_new_tokens=20, early_stopping=False)
     _same(_gen(ref, ids, **kw), _gen(ours, ids, past_key_values=cache, **kw))
@@ -125,7 +101,7 @@ def test_beam_search_three_beams(models):
 
 def test_num_return_sequences_with_sampling(models):
     ours, ref = models
-    ids = _prompt(6, 2, 10)
+    ids = prompt_ids(6, 2, 10)
     kw = dict(do_sample=True, num_return_sequences=2, max_new_tokens=20, top_k=0)
     torch.manual_seed(77)
     want = _gen(ref, ids, **kw)
@@ -139,11 +115,11 @@ def test_num_return_sequences_with_sampling(models):
 def test_assisted_decoding_crops(models, monkeypatch):
     ours, ref = models
     torch.manual_seed(4321)
-    assistant = LlamaForCausalLM(_config(num_hidden_layers=1)).eval()
+    assistant = LlamaForCausalLM(llama_config(num_hidden_layers=1)).eval()
     crops = []
     real_crop = PagedCache.crop
     monkeypatch.setattr(PagedCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n)))
-    ids = _prompt(15, 1, 15)
+    ids = prompt_ids(15, 1, 15)
     cache = paged_cache(ours, num_blocks=16)
     got = ours.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
                         past_key_values=cache)
@@ -154,7 +130,7 @@ def test_assisted_decoding_crops(models, monkeypatch):
 
 def test_row_operations_fork_truncate_free(models):
     ours, _ = models
-    ids = _prompt(7, 2, 12)
+    ids = prompt_ids(7, 2, 12)
     cache = paged_cache(ours, num_blocks=32, block_size=4)
     with torch.no_grad():
         ours(ids, past_key_values=cache)
@@ -184,7 +160,7 @@ def test_row_operations_fork_truncate_free(models):
 
 def test_crop_into_padding(models):
     ours, _ = models
-    ids = _prompt(14, 2, 12)
+    ids = prompt_ids(14, 2, 12)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = paged_cache(ours, num_blocks=16, block_size=4)
@@ -203,7 +179,7 @@ def test_model_keeps_working_with_other_caches(models):
     """A model switched to the "pagedkv" attention runs sdpa for any cache but a PagedCache."""
     ours, ref = models
     paged_cache(ours, num_blocks=8)
-    ids = _prompt(8, 1, 12)
+    ids = prompt_ids(8, 1, 12)
     _same(_gen(ref, ids, max_new_tokens=8), _gen(ours, ids, max_new_tokens=8))
 
 
@@ -213,21 +189,21 @@ def test_errors(models):
         paged_cache(ours, num_blocks=8, streaming=(4, 60))
     cache = paged_cache(ours, num_blocks=8)
     with torch.no_grad():
-        ours(_prompt(9, 2, 5), past_key_values=cache)
+        ours(prompt_ids(9, 2, 5), past_key_values=cache)
         with pytest.raises(ValueError, match="batch size 3"):
-            ours(_prompt(9, 3, 1), past_key_values=cache)
+            ours(prompt_ids(9, 3, 1), past_key_values=cache)
     small = paged_cache(ours, num_blocks=2, block_size=4)
     with pytest.raises(pagedkv.OutOfBlocksError):
         with torch.no_grad():
-            ours(_prompt(10, 1, 200), past_key_values=small)
+            ours(prompt_ids(10, 1, 200), past_key_values=small)
     assert small.get_seq_length() == 0 and small.paged.num_free_blocks == 2
     with torch.no_grad():  # still usable
-        ours(_prompt(10, 1, 8), past_key_values=small)
+        ours(prompt_ids(10, 1, 8), past_key_values=small)
     assert small.get_seq_length() == 8 and small.paged.num_free_blocks == 0
     rows = paged_cache(ours, num_blocks=3, block_size=4)   # the second row does not fit
     with pytest.raises(pagedkv.OutOfBlocksError):
         with torch.no_grad():
-            ours(_prompt(10, 2, 8), past_key_values=rows)
+            ours(prompt_ids(10, 2, 8), past_key_values=rows)
     assert [rows.paged.seq_len(s) for s in rows.sequence_ids] == [0, 0]
     assert rows.get_seq_length() == 0 and rows.paged.num_free_blocks == 3
     with pytest.raises(TypeError, match="kv_dtype"):
@@ -245,16 +221,16 @@ def test_wrong_attention_is_caught(models):
     ours.set_attn_implementation("sdpa")
     try:
         with torch.no_grad():
-            ours(_prompt(11, 1, 4), past_key_values=cache)
+            ours(prompt_ids(11, 1, 4), past_key_values=cache)
             with pytest.raises(RuntimeError, match="'pagedkv'"):
-                ours(_prompt(11, 1, 1), past_key_values=cache)
+                ours(prompt_ids(11, 1, 1), past_key_values=cache)
     finally:
         ours.set_attn_implementation("pagedkv")
 
 
 def test_bfloat16_storage(models):
     ours, ref = models
-    ids = _prompt(12, 1, 20)
+    ids = prompt_ids(12, 1, 20)
     cache = paged_cache(ours, num_blocks=32, kv_dtype="bfloat16")
     assert cache.paged.kv_dtype == "bfloat16"
     out = _gen(ours, ids, max_new_tokens=32, past_key_values=cache)
@@ -348,11 +324,11 @@ class _ReferenceStreamingLlama:
 
 def test_streaming_llm_2000_tokens_matches_paper_semantics():
     torch.manual_seed(99)
-    model = LlamaForCausalLM(_config()).eval()
+    model = LlamaForCausalLM(llama_config()).eval()
     S, R, bs, prompt, new = 4, 60, 16, 8, 2000
     cache = paged_cache(model, num_blocks=16, block_size=bs,
                         streaming=pagedkv.StreamingLLM(sink_tokens=S, window_tokens=R))
-    ids = _prompt(13, 1, prompt)
+    ids = prompt_ids(13, 1, prompt)
     # sampling keeps the stream from settling into a short loop of tokens
     torch.manual_seed(3)
     out = _gen(model, ids, max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0,
@@ -379,6 +355,6 @@ def test_streaming_llm_2000_tokens_matches_paper_semantics():
             checked += 1
     assert checked == len(sampled)
     # the rotary hook is off for other caches: the same model still matches sdpa + DynamicCache
-    twin = LlamaForCausalLM(_config()).eval()
+    twin = LlamaForCausalLM(llama_config()).eval()
     twin.load_state_dict(model.state_dict())
     _same(_gen(twin, ids, max_new_tokens=8), _gen(model, ids, max_new_tokens=8))

@@ -10,25 +10,18 @@ Greedy tokens are equal except where the reference itself holds an exact or near
 best logits within TIE_ULPS units of the dtype's rounding): one float16 prompt below meets an
 exact tie on AVX2 machines, where the sums run in another order than sdpa's.
 """
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
-    pytest.skip("the hf extra (transformers, torch) is not installed: pip install '.[hf]'",
-                allow_module_level=True)
+from tiny_llama import llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.hf import paged_cache  # noqa: E402
 
-VOCAB = 96
 LOGIT_RTOL = 3e-2
 #: a greedy token may differ from the reference's only where the reference's two best logits are
 #: this many units of the dtype's rounding apart (or closer): a tie that float32 sums in another
@@ -38,25 +31,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 IDS = ["bfloat16", "float16"]
 
 
-def _config():
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096, pad_token_id=0, eos_token_id=None,
-                       bos_token_id=None)
-
-
 @pytest.fixture(scope="module", params=DTYPES, ids=IDS)
 def models(request):
-    torch.manual_seed(4321)
-    ours = LlamaForCausalLM(_config()).eval().to(request.param)
-    ref = LlamaForCausalLM(_config()).eval().to(request.param)
-    ref.load_state_dict(ours.state_dict())
-    return ours, ref
-
-
-def _prompt(seed, batch, length):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=g)
+    return twin_llamas(4321, request.param)
 
 
 def _close(a, b, what):
@@ -78,8 +55,8 @@ def test_cache_is_16_bit_and_views_the_tensors(models):
 
 def test_prompt_and_100_teacher_forced_steps(models):
     ours, ref = models
-    ids = _prompt(1, 1, 60)
-    follow = _prompt(2, 1, 100)
+    ids = prompt_ids(1, 1, 60)
+    follow = prompt_ids(2, 1, 100)
     cache = paged_cache(ours, num_blocks=16, block_size=16)
     dyn = DynamicCache(config=ref.config)
     with torch.no_grad():
@@ -96,7 +73,7 @@ def test_prompt_and_100_teacher_forced_steps(models):
 @pytest.mark.parametrize("kv_dtype", [None, "float32", "int8"])
 def test_greedy_tokens_left_padded_batch(models, kv_dtype):
     ours, ref = models
-    ids = _prompt(3, 2, 24)
+    ids = prompt_ids(3, 2, 24)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     ids[1, :7] = 0
@@ -132,7 +109,7 @@ def _assert_same_greedy(got, want, prompt_len):
 
 def test_beam_search(models):
     ours, ref = models
-    ids = _prompt(4, 1, 16)
+    ids = prompt_ids(4, 1, 16)
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False)
     got = ours.generate(ids, past_key_values=paged_cache(ours, num_blocks=32), **kw)
     assert torch.equal(got, ref.generate(ids, **kw))
@@ -143,16 +120,16 @@ def test_streaming_llm_with_a_16_bit_model(models):
     stream of tokens (teacher-forced) keeps logits within a 16-bit tolerance, and the cache
     stays within its sink + window (+ the newest token)."""
     ours, _ = models
-    wide = LlamaForCausalLM(_config()).eval()
+    wide = LlamaForCausalLM(llama_config()).eval()
     wide.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
     s = pagedkv.StreamingLLM(4, 28)
     c16 = paged_cache(ours, num_blocks=8, block_size=8, streaming=s)
     c32 = paged_cache(wide, num_blocks=8, block_size=8, streaming=s)
-    ids = _prompt(5, 1, 20)
+    ids = prompt_ids(5, 1, 20)
     with torch.no_grad():
         _close(wide(ids, past_key_values=c32).logits, ours(ids, past_key_values=c16).logits,
                "prompt")
-        for t, tok in enumerate(_prompt(6, 1, 60)[0]):
+        for t, tok in enumerate(prompt_ids(6, 1, 60)[0]):
             x = tok.view(1, 1)
             _close(wide(x, past_key_values=c32).logits, ours(x, past_key_values=c16).logits,
                    f"step {t}")

@@ -8,18 +8,12 @@ caches; beam search runs on a fresh pair.  Greedy tokens must be identical, logi
 Sliding-window layers keep bounded memory: held blocks stay flat over 1,000 generated tokens.
 """
 import copy
-import importlib.util
 import math
-import os
 import types
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
-    pytest.skip("the hf extra (transformers, torch) is not installed: pip install '.[hf]'",
-                allow_module_level=True)
+from tiny_llama import TINY, VOCAB  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -27,11 +21,8 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from pagedkv.integrations.hf import layer_groups, layer_windows, paged_cache  # noqa: E402
 
-VOCAB = 96
 WINDOW = 8
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+COMMON = dict(TINY, head_dim=16)
 SL, FU = "sliding_attention", "full_attention"
 
 # name: (config class, config overrides, attention of the reference)
