@@ -14,6 +14,7 @@ Everything here is written against the public API (the README and the docstrings
 """
 
 import math
+import threading
 from collections import Counter
 
 import numpy as np
@@ -478,3 +479,25 @@ def rope_rotate(x, positions, theta=10000.0, rotary_dim=None):
     out[..., :half] = x0 * c - x1 * s
     out[..., half:rd] = x1 * c + x0 * s
     return out
+
+
+def run_threads(targets, timeout=300):
+    """Run the callables in threads; re-raise the first failure here."""
+    errors = []
+
+    def guard(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # re-raised below
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=guard(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a thread still runs"
+    if errors:
+        raise errors[0]

@@ -15,7 +15,7 @@ import pytest
 
 import pagedkv
 from profiles import depth
-from reference import check_pool_invariants
+from reference import check_pool_invariants, run_threads
 
 HKV, HQ, D, LAYERS, BS = 2, 4, 8, 2, 4
 OPS = depth(800, 8000)
@@ -81,27 +81,6 @@ def _same(a, b):
             assert x == y
 
 
-def _run_threads(targets):
-    errors = []
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # reported below
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=guard(fn)) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]
-
-
 @pytest.fixture(autouse=True)
 def fast_switching():
     """Switch threads every 20 us instead of 5 ms, so the scripts really interleave."""
@@ -136,11 +115,11 @@ def test_four_threads_on_one_cache_match_single_threaded_runs(single_threaded):
 
     def workers_then_stop():
         try:
-            _run_threads([worker(i) for i in range(WORKERS)])
+            run_threads([worker(i) for i in range(WORKERS)])
         finally:
             done.set()
 
-    _run_threads([workers_then_stop, checker])
+    run_threads([workers_then_stop, checker])
     assert checks[0] > 0
     for i in range(WORKERS):
         _same(logs[i], single_threaded[i])
@@ -159,7 +138,7 @@ def test_four_threads_on_four_caches_match_single_threaded_runs(single_threaded)
             logs[i] = _script(caches[i], i)
         return run
 
-    _run_threads([worker(i) for i in range(WORKERS)])
+    run_threads([worker(i) for i in range(WORKERS)])
     for i in range(WORKERS):
         _same(logs[i], single_threaded[i])
         check_pool_invariants(caches[i])

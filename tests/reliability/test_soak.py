@@ -36,7 +36,8 @@ import pytest
 
 import pagedkv
 from profiles import depth
-from reference import assert_attention_close, check_pool_invariants, ref_attention, ref_stored
+from reference import (assert_attention_close, check_pool_invariants, ref_attention, ref_stored,
+                       run_threads)
 
 HKV, G, D, LAYERS, BS = 2, 2, 32, 2, 4
 HQ = HKV * G
@@ -365,27 +366,6 @@ def _rss():
         return None
 
 
-def _threads(targets):
-    """Run the callables in threads; re-raise the first failure here."""
-    errors = []
-
-    def wrap(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # noqa: B036 - re-raised below
-                errors.append(e)
-        return run
-
-    ts = [threading.Thread(target=wrap(fn)) for fn in targets]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 @pytest.fixture
 def fast_switching():
     """Switch threads every 20 us instead of 5 ms, so the workers really interleave."""
@@ -418,7 +398,7 @@ def test_soak(fast_switching):
         th = threading.Thread(target=checker)
         th.start()
         try:
-            _threads(targets)
+            run_threads(targets, timeout=None)
         finally:
             stop.set()
             th.join()

@@ -47,15 +47,8 @@ class PagedKVModelMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.cache = pagedkv.PagedKVCache(
-            num_blocks=self.NUM_BLOCKS,
-            block_size=self.BLOCK_SIZE,
-            num_kv_heads=self.HKV,
-            head_dim=self.D,
-            num_layers=self.LAYERS,
-            dtype=self.DTYPE,
-            max_seqs=self.MAX_SEQS,
-            max_blocks_per_seq=self.MAX_BLOCKS_PER_SEQ,
-        )
+            self.NUM_BLOCKS, self.BLOCK_SIZE, self.HKV, self.D, self.LAYERS, self.DTYPE,
+            max_seqs=self.MAX_SEQS, max_blocks_per_seq=self.MAX_BLOCKS_PER_SEQ)
         self.seqs = {}  # sid -> SeqModel
         self.tables = {}  # sid -> list of abstract block ids
         self.refs = {}  # abstract block id -> reference count (> 0)
