@@ -212,6 +212,7 @@ def _positive_int(name, value, minimum=1):
 
 
 
+include "_lock.pxi"
 include "_pool.pxi"
 include "_seqtable.pxi"
 
@@ -267,13 +268,7 @@ cdef class CacheCore:
         void *partial             # split-K partial states, 2 slots per thread
         void *partial_raw
         readonly int64_t seqs_freed
-        # the cache's lock (see "Thread model" below); every field but the
-        # semaphore is read and written with the GIL held
-        unsigned long owner       # thread holding the cache, 0 when none
-        int depth                 # holds by the owner (hold() nests, calls nest in hold())
-        int waiters               # threads waiting for the cache
-        PyThread_type_lock wake   # posted when the owner lets go and someone waits
-        bint in_call              # a public call is under way on the owner thread
+        _Lock lock                # the cache's lock (_lock.pxi)
         int64_t plan[3]           # the last attention call's threads, heads/item, key chunks
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
@@ -283,10 +278,7 @@ cdef class CacheCore:
         caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
             raise RuntimeError("the cache is already initialized")
-        self.wake = PyThread_allocate_lock()
-        if self.wake == NULL:
-            raise MemoryError("cannot allocate the cache's lock")
-        PyThread_acquire_lock(self.wake, WAIT_LOCK)  # taken: waiters block on it
+        _lock_init(&self.lock)
         nb = _positive_int("num_blocks", num_blocks)
         bs = _positive_int("block_size", block_size)
         hkv = _positive_int("num_kv_heads", num_kv_heads)
@@ -345,9 +337,7 @@ cdef class CacheCore:
             free(self._raw[i])
         free(self.scratch_raw)
         free(self.partial_raw)
-        if self.wake != NULL:
-            PyThread_release_lock(self.wake)
-            PyThread_free_lock(self.wake)
+        _lock_free(&self.lock)
 
     cdef _set_rope(self, cos, sin):
         dt = np.float32 if self.compute == PKV_F32 else np.float64
@@ -420,71 +410,12 @@ cdef class CacheCore:
         return self.pool.bytes_per_block
 
     # ------------------------------------------------------------------
-    # calls and ids
-
-    # Thread model.  One lock per cache serializes every call that reads or
-    # changes sequences or blocks: a second thread waits for it with the GIL
-    # released, so the first one's kernels (which run without the GIL) finish.
-    # Separate caches share nothing and run in parallel.  The lock is
-    # reentrant for the thread holding it, so the facade can hold it across
-    # several calls (hold()); a public call started from inside another on the
-    # same thread (an array's __array__ running during input conversion) raises
-    # RuntimeError instead of seeing a half-done call.
-    #
-    # The lock's state (owner, depth, waiters) is guarded by the GIL: testing
-    # and taking a free cache is two plain loads and stores, with no Python code
-    # in between, so the uncontended cost is a few nanoseconds (a pthread-backed
-    # try-acquire + release measured ~+40-100 ns per append).  Only a thread
-    # that finds the cache taken blocks, on the `wake` semaphore, without the
-    # GIL; every release with waiters posts it once, and a woken thread checks
-    # again (a post can be spurious: another thread may have taken the cache
-    # first).  This relies on the GIL: a free-threaded build would need an
-    # atomic compare-and-swap here.
-
-    cdef inline int _acquire(self) except -1:
-        cdef unsigned long me = PyThread_get_thread_ident()
-        if self.owner == 0:
-            self.owner = me
-            self.depth = 1
-            return 0
-        if self.owner == me:
-            self.depth += 1
-            return 0
-        self.waiters += 1
-        while self.owner != 0:
-            with nogil:
-                PyThread_acquire_lock(self.wake, WAIT_LOCK)
-        self.waiters -= 1
-        self.owner = me
-        self.depth = 1
-        return 0
-
-    cdef inline void _release(self) noexcept:
-        self.depth -= 1
-        if self.depth == 0:
-            self.owner = 0
-            if self.waiters:
-                PyThread_release_lock(self.wake)
-
-    cdef inline int _enter(self) except -1:
-        """Begin a public call: take the lock (waiting for another thread's call)."""
-        self._acquire()
-        if self.in_call:
-            self._release()
-            raise RuntimeError(
-                "a call on this cache was made from inside another call on it on the same "
-                "thread (e.g. from an array's __array__ during input conversion)")
-        self.in_call = True
-        return 0
-
-    cdef inline void _exit(self) noexcept:
-        self.in_call = False
-        self._release()
+    # the lock (thread model: _lock.pxi) and ids
 
     def hold(self):
         """A context manager holding the cache's lock across several calls of
         this thread (other threads' calls wait until it is left)."""
-        return _Hold(self)
+        return _hold(self, &self.lock)
 
     cdef inline Seq *_seq(self, object sid) except NULL:
         """The live sequence `sid` (KeyError otherwise)."""
@@ -508,76 +439,76 @@ cdef class CacheCore:
 
     def add_sequence(self, double priority=0.0):
         """Start an empty sequence and return its id."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.seqs.new_seq(priority).sid
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def __contains__(self, sid):
         """`sid in cache`: True for a live sequence id."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             self._seq(sid)
         except (KeyError, TypeError):
             return False
         finally:
-            self._exit()
+            _call_exit(&self.lock)
         return True
 
     def sequence_ids(self):
         """Ids of the live sequences, lowest slot first."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.seqs.live_ids()
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def free(self, sid):
         """Release a sequence and every block only it held."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             self.seqs.remove(self._seq(sid))
             self.seqs_freed += 1
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def evict_sequence(self, sid):
         """Release a sequence as an eviction (not counted as freed); returns
         (tokens, blocks held, blocks returned to the pool)."""
         cdef Seq *s
         cdef int64_t tokens, blocks, before
-        self._enter()
+        _call_enter(&self.lock)
         try:
             s = self._seq(sid)
             tokens, blocks, before = pkv_held(&s.segs), s.nblk, self.pool.num_free
             self.seqs.remove(s)
             return tokens, blocks, self.pool.num_free - before
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def seq_len(self, sid):
         """Tokens the sequence holds now (after eviction)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return pkv_held(&self._seq(sid).segs)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def num_seq_blocks(self, sid):
         """Blocks the sequence holds now."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._seq(sid).nblk
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
         cdef Seq *s
         cdef int64_t i, n = 0
         cdef int64_t *p
-        self._enter()
+        _call_enter(&self.lock)
         try:
             s = self._seq(sid)
             out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
@@ -590,7 +521,7 @@ cdef class CacheCore:
                 n += 1
             return out
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _table_copy(self, const Seq *s):
         out = np.empty(s.nblk, dtype=np.int32)
@@ -601,18 +532,18 @@ cdef class CacheCore:
     def block_table(self, sid):
         """Physical block ids of the sequence, in order (a copy, int32)."""
         cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._table_copy(self._seq(sid))
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def sequence_infos(self):
         """(sid, last_use, use_count, tokens, blocks, priority, order) of every live
         sequence, lowest slot first: what the eviction strategies rank."""
         cdef int64_t i
         cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
             out = []
             for i in range(self.seqs.max_seqs):
@@ -622,35 +553,35 @@ cdef class CacheCore:
                                 s.priority, s.order))
             return out
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def set_priority(self, sid, double priority):
-        self._enter()
+        _call_enter(&self.lock)
         try:
             self._seq(sid).priority = priority
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def priority(self, sid):
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._seq(sid).priority
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def fork(self, sid):
         """New sequence sharing every block of `sid` (copy-on-write)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.seqs.fork(self._seq(sid)).sid
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def truncate(self, sid, length):
         """Roll back to the first `length` held tokens."""
         cdef Seq *s
         cdef int64_t held
-        self._enter()
+        _call_enter(&self.lock)
         try:
             s = self._seq(sid)
             if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
@@ -660,15 +591,15 @@ cdef class CacheCore:
                 raise ValueError(f"truncate length must be in [0, {held}], got {length}")
             self.seqs.truncate(s, length)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def written_tokens(self, sid):
         """Stream positions written on every layer (the fully written prefix)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._written_tokens(sid)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _written_tokens(self, object sid):
         cdef Seq *s = self._seq(sid)
@@ -682,11 +613,11 @@ cdef class CacheCore:
         """A new sequence holding `blocks` (in use, or free but still cached),
         full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
         Returns its id; raises and changes nothing when a block is invalid."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._adopt(blocks, priority)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _adopt(self, object blocks, object priority):
         cdef cnp.ndarray arr = np.require(blocks, np.int32, ("C_CONTIGUOUS", "ALIGNED"))
@@ -708,11 +639,11 @@ cdef class CacheCore:
     def compact(self):
         """Move every used block to the lowest ids and rewrite the block tables.
         Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._compact()
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _compact(self):
         moved_to = np.empty(self.pool.num_blocks, dtype=np.int32)
@@ -724,11 +655,11 @@ cdef class CacheCore:
     def resize(self, num_blocks):
         """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
         free: compact() first).  max_blocks_per_seq does not change."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._resize(num_blocks)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _resize(self, object num_blocks):
         n = _positive_int("num_blocks", num_blocks)
@@ -747,11 +678,11 @@ cdef class CacheCore:
     def export_seq(self, sid):
         """(meta, blocks) of a sequence: its segments and offsets, and its
         blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._export_seq(sid)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _export_seq(self, object sid):
         cdef Seq *s = self._seq(sid)
@@ -774,11 +705,11 @@ cdef class CacheCore:
     def import_seq(self, meta, data):
         """A new sequence from export_seq's (meta, blocks); checks everything
         first and changes nothing when it raises."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._import_seq(meta, data)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _import_seq(self, object meta, object data):
         cdef size_t bb = self.pool.geom.block_bytes
@@ -822,12 +753,12 @@ cdef class CacheCore:
 
     def set_streaming(self, int64_t sink_tokens, int64_t window_tokens):
         """Per-append trimming on (sink, window >= 0) or off (-1, -1)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             self.sink_tokens = sink_tokens
             self.window_tokens = window_tokens
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def trim(self, sid, int64_t sink_tokens, int64_t window_tokens):
         """Evict `sid` now to its first sink_tokens + last window_tokens held tokens
@@ -836,7 +767,7 @@ cdef class CacheCore:
         cdef Seq *s
         cdef _Plan p
         cdef int64_t before, total, l
-        self._enter()
+        _call_enter(&self.lock)
         try:
             s = self._seq(sid)
             before, total = self.pool.num_free, s.segs.b1 + s.off1
@@ -855,7 +786,7 @@ cdef class CacheCore:
                 s.step_n = 0
             return p.evicted_tokens, self.pool.num_free - before
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
     # input checks
@@ -988,11 +919,11 @@ cdef class CacheCore:
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
         if token_ids is not None:
             _no_token_ids()
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._append(sid, k, v, layer)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _append(self, object sid, object k, object v, object layer):
         cdef Seq *s = self._seq(sid)
@@ -1052,11 +983,11 @@ cdef class CacheCore:
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
         if token_ids is not None:
             _no_token_ids()
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._append_batch(sids, k, v, layer)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _append_batch(self, object sids, object k, object v, object layer):
         cdef int l = self._check_layer(layer)
@@ -1212,11 +1143,11 @@ cdef class CacheCore:
     def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
                sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._attend(sid, q, layer, scale, out, window, softcap, sinks)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _attend(self, object sid, object q, object layer, object scale, object out,
                         object window, object softcap, object sinks):
@@ -1246,11 +1177,11 @@ cdef class CacheCore:
     def attend_batch(self, sids, q, layer=0, scale=None, out=None, window=None, softcap=None,
                      sinks=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._attend_batch(sids, q, layer, scale, out, window, softcap, sinks)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _attend_batch(self, object sids, object q, object layer, object scale,
                               object out, object window, object softcap, object sinks):
@@ -1287,11 +1218,11 @@ cdef class CacheCore:
         (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
         (bytes read, XOR of all bytes read): the decode read ceiling the
         benchmark measures over the same pool and block tables."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._read_kv_pattern(sids, layer)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _read_kv_pattern(self, object sids, object layer):
         cdef int l = self._check_layer(layer)
@@ -1320,11 +1251,11 @@ cdef class CacheCore:
 
     def gather(self, sid, layer=0):
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self._gather(sid, layer)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     cdef object _gather(self, object sid, object layer):
         cdef Seq *s = self.seqs.lookup(sid)
@@ -1348,11 +1279,11 @@ cdef class CacheCore:
 
     def ref_count(self, block):
         """References to a physical block (0: free)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.pool.ref_count(block)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     @property
     def last_attention_plan(self):
@@ -1363,28 +1294,13 @@ cdef class CacheCore:
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""
         cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
             s = self._seq(sid)
             return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
                         off1=s.off1, table=self._table_copy(s).tolist())
         finally:
-            self._exit()
-
-cdef class _Hold:
-    """`with core.hold():` -- see CacheCore.hold."""
-    cdef CacheCore core
-
-    def __cinit__(self, CacheCore core):
-        self.core = core
-
-    def __enter__(self):
-        self.core._acquire()
-        return self.core
-
-    def __exit__(self, *exc):
-        self.core._release()
-        return False
+            _call_exit(&self.lock)
 
 
 def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
