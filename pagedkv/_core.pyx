@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 cimport numpy as cnp
-from libc.math cimport sqrt
+from libc.math cimport isfinite, sqrt
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
@@ -146,79 +146,11 @@ cdef void *_zalloc(size_t n, void **raw) except NULL:
     return p
 
 
-cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
-                        "float16": PKV_F16, "int8": PKV_I8}
-_KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
-_KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
-_DTYPE_CHOICES = "'float32', 'float64', 'bfloat16' or 'float16'"
-
-
-def _code_of(value, str what, str choices, bint arrays):
-    """The pkv_dtype code of a dtype given by name or NumPy dtype; arrays: not int8."""
-    name = value if isinstance(value, str) else None
-    if name is None:
-        try:
-            name = np.dtype(value).name
-        except TypeError:
-            raise TypeError(f"{what} must be {choices}, got {value!r}") from None
-    if name not in _KV_DTYPES or (arrays and name == "int8"):
-        raise TypeError(f"{what} must be {choices}, got {name!r}")
-    return _KV_DTYPES[name]
-
-
-def _dtype_code(dtype):
-    """Code of the arrays' dtype (float32, float64, bfloat16, float16)."""
-    return _code_of(dtype, "dtype", _DTYPE_CHOICES, True)
-
-
-def _array_dtype(int code, bint raw16):
-    """The NumPy dtype of the arrays a cache of dtype `code` takes and returns."""
-    if code == PKV_F32:
-        return np.dtype(np.float32)
-    if code == PKV_F64:
-        return np.dtype(np.float64)
-    if raw16:
-        return np.dtype(np.uint16)
-    if code == PKV_F16:
-        return np.dtype(np.float16)
-    try:
-        ml_dtypes = importlib.import_module("ml_dtypes")
-    except ImportError:
-        raise ImportError("dtype='bfloat16' takes ml_dtypes.bfloat16 arrays: install ml_dtypes "
-                          "(pip install 'pagedkv[bf16]'), or pass raw16=True for uint16 arrays "
-                          "holding bfloat16 bit patterns") from None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _kv_dtype_code(kv_dtype, int io):
-    """Storage code for kv_dtype (None: the arrays' dtype `io`)."""
-    if kv_dtype is None:
-        return io
-    code = _code_of(kv_dtype, "kv_dtype", _KV_CHOICES, False)
-    if code == PKV_F64 and io != PKV_F64:
-        raise ValueError("kv_dtype='float64' needs dtype='float64' (storage wider than the "
-                         f"arrays in and out would only waste memory); got dtype="
-                         f"{_KV_NAMES[io]!r}")
-    return code
-
-
-def _positive_int(name, value, minimum=1):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 
 include "_lock.pxi"
 include "_pool.pxi"
 include "_seqtable.pxi"
-
-
-def _no_token_ids():
-    raise TypeError("token_ids= is for caches made with prefix_caching=True")
+include "_checks.pxi"
 
 
 cdef class CacheCore:
@@ -417,23 +349,6 @@ cdef class CacheCore:
         this thread (other threads' calls wait until it is left)."""
         return _hold(self, &self.lock)
 
-    cdef inline Seq *_seq(self, object sid) except NULL:
-        """The live sequence `sid` (KeyError otherwise)."""
-        return self.seqs.lookup(sid)
-
-    cdef inline int _check_layer(self, object layer) except -1:
-        cdef long long l
-        if type(layer) is not int and (not isinstance(layer, (int, np.integer))
-                                       or isinstance(layer, (bool, np.bool_))):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        try:
-            l = PyLong_AsLongLong(layer) if type(layer) is int else int(layer)
-        except OverflowError:
-            l = -1
-        if l < 0 or l >= self.num_layers:
-            raise ValueError(f"layer {layer} out of range: the cache has {self.num_layers} layer(s)")
-        return <int>l
-
     # ------------------------------------------------------------------
     # sequences
 
@@ -449,7 +364,7 @@ cdef class CacheCore:
         """`sid in cache`: True for a live sequence id."""
         _call_enter(&self.lock)
         try:
-            self._seq(sid)
+            self.seqs.lookup(sid)
         except (KeyError, TypeError):
             return False
         finally:
@@ -468,7 +383,7 @@ cdef class CacheCore:
         """Release a sequence and every block only it held."""
         _call_enter(&self.lock)
         try:
-            self.seqs.remove(self._seq(sid))
+            self.seqs.remove(self.seqs.lookup(sid))
             self.seqs_freed += 1
         finally:
             _call_exit(&self.lock)
@@ -480,7 +395,7 @@ cdef class CacheCore:
         cdef int64_t tokens, blocks, before
         _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
+            s = self.seqs.lookup(sid)
             tokens, blocks, before = pkv_held(&s.segs), s.nblk, self.pool.num_free
             self.seqs.remove(s)
             return tokens, blocks, self.pool.num_free - before
@@ -491,7 +406,7 @@ cdef class CacheCore:
         """Tokens the sequence holds now (after eviction)."""
         _call_enter(&self.lock)
         try:
-            return pkv_held(&self._seq(sid).segs)
+            return pkv_held(&self.seqs.lookup(sid).segs)
         finally:
             _call_exit(&self.lock)
 
@@ -499,7 +414,7 @@ cdef class CacheCore:
         """Blocks the sequence holds now."""
         _call_enter(&self.lock)
         try:
-            return self._seq(sid).nblk
+            return self.seqs.lookup(sid).nblk
         finally:
             _call_exit(&self.lock)
 
@@ -510,7 +425,7 @@ cdef class CacheCore:
         cdef int64_t *p
         _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
+            s = self.seqs.lookup(sid)
             out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
             p = <int64_t *>cnp.PyArray_DATA(out)
             for i in range(s.segs.a0, s.segs.a1):
@@ -534,7 +449,7 @@ cdef class CacheCore:
         cdef Seq *s
         _call_enter(&self.lock)
         try:
-            return self._table_copy(self._seq(sid))
+            return self._table_copy(self.seqs.lookup(sid))
         finally:
             _call_exit(&self.lock)
 
@@ -558,14 +473,14 @@ cdef class CacheCore:
     def set_priority(self, sid, double priority):
         _call_enter(&self.lock)
         try:
-            self._seq(sid).priority = priority
+            self.seqs.lookup(sid).priority = priority
         finally:
             _call_exit(&self.lock)
 
     def priority(self, sid):
         _call_enter(&self.lock)
         try:
-            return self._seq(sid).priority
+            return self.seqs.lookup(sid).priority
         finally:
             _call_exit(&self.lock)
 
@@ -573,7 +488,7 @@ cdef class CacheCore:
         """New sequence sharing every block of `sid` (copy-on-write)."""
         _call_enter(&self.lock)
         try:
-            return self.seqs.fork(self._seq(sid)).sid
+            return self.seqs.fork(self.seqs.lookup(sid)).sid
         finally:
             _call_exit(&self.lock)
 
@@ -583,8 +498,8 @@ cdef class CacheCore:
         cdef int64_t held
         _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
+            s = self.seqs.lookup(sid)
+            if not _is_int(length):
                 raise TypeError(f"length must be an int, got {type(length).__name__}")
             held = pkv_held(&s.segs)
             if length < 0 or length > held:
@@ -602,7 +517,7 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     cdef object _written_tokens(self, object sid):
-        cdef Seq *s = self._seq(sid)
+        cdef Seq *s = self.seqs.lookup(sid)
         cdef int64_t w = s.written[0]
         cdef int l
         for l in range(1, self.num_layers):
@@ -685,15 +600,10 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     cdef object _export_seq(self, object sid):
-        cdef Seq *s = self._seq(sid)
-        cdef int64_t total = s.segs.b1 + s.off1, i
-        cdef int l
+        cdef Seq *s = self.seqs.lookup(sid)
+        cdef int64_t i
         cdef size_t bb = self.pool.geom.block_bytes
-        for l in range(self.num_layers):
-            if s.written[l] != total:
-                raise ValueError(
-                    f"cannot export sequence {sid} in the middle of a step: layer {l} lacks "
-                    "its newest tokens (append them on every layer first)")
+        _check_step_done(s, sid, self.num_layers, "export")
         data = np.empty((s.nblk, bb), dtype=np.uint8)
         cdef char *d = <char *>cnp.PyArray_DATA(data)
         for i in range(s.nblk):
@@ -766,17 +676,13 @@ cdef class CacheCore:
         blocks returned to the pool)."""
         cdef Seq *s
         cdef _Plan p
-        cdef int64_t before, total, l
+        cdef int64_t before
         _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            before, total = self.pool.num_free, s.segs.b1 + s.off1
-            for l in range(self.num_layers):
-                # a pending layer append writes the newest step_n slots: they must not move
-                if s.written[l] != total:
-                    raise ValueError(
-                        f"cannot trim sequence {sid} in the middle of a step: layer {l} lacks "
-                        "its newest tokens (append them on every layer first)")
+            s = self.seqs.lookup(sid)
+            before = self.pool.num_free
+            # a pending layer append writes the newest step_n slots: they must not move
+            _check_step_done(s, sid, self.num_layers, "trim")
             _plan_init(&p, s)
             self.seqs.plan_trim(s, sink_tokens, window_tokens, &p)
             self.seqs.apply_drop(s, &p, _TRIM_ONE_SHOT)
@@ -789,104 +695,6 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
-    # input checks
-
-    cdef object _input(self, object a, str name, int64_t d0, int d1, int d2, str d0name,
-                       bint convert=True):
-        """Return `a` as a C-contiguous array of the cache dtype and shape (d0, d1, d2).
-
-        d0 < 0 accepts any leading size >= 1.  Other float dtypes are
-        converted, non-contiguous arrays copied; anything else raises.  With
-        convert=False the checked array is returned as it is (_contiguous
-        converts it once the call is known to proceed: a leading size no
-        sequence can hold must not be copied first).
-        """
-        cdef cnp.ndarray arr
-        cdef cnp.npy_intp *dims
-        if cnp.PyArray_Check(a):
-            arr = <cnp.ndarray>a
-            if (cnp.PyArray_TYPE(arr) == self.typenum and cnp.PyArray_NDIM(arr) == 3
-                    and cnp.PyArray_ISCARRAY_RO(arr)):
-                dims = cnp.PyArray_DIMS(arr)
-                if ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1))
-                        and dims[1] == d1 and dims[2] == d2):
-                    return a
-        else:
-            try:
-                a = np.asarray(a)
-            except Exception as e:
-                raise TypeError(f"{name} must be a float array, got {type(a).__name__}") from e
-            arr = <cnp.ndarray>a
-        self._check_kind(arr, name)
-        want = f"[{d0name}, {d1}, {d2}]" if d0 < 0 else f"[{d0name}={d0}, {d1}, {d2}]"
-        if arr.ndim != 3:
-            raise ValueError(f"{name} must have shape {want}, got {np.ndim(arr)}-d shape {np.shape(arr)}")
-        dims = cnp.PyArray_DIMS(arr)
-        if not ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1)) and dims[1] == d1 and dims[2] == d2):
-            raise ValueError(f"{name} must have shape {want}, got {np.shape(arr)}")
-        return self._contiguous(arr) if convert else arr
-
-    cdef int _check_kind(self, object arr, str name) except -1:
-        """Raise unless arr's dtype converts to the cache's arrays' dtype."""
-        dt = arr.dtype
-        if dt == self.np_dtype:
-            return 0
-        if self.raw16:
-            raise TypeError(f"{name} must be a uint16 array of {self.dtype_name} bit patterns "
-                            f"(the cache was made with raw16=True), got dtype {dt}")
-        if dt.kind != "f" and not (self.io == PKV_BF16 and dt.name == "bfloat16"):
-            raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {dt}")
-        return 0
-
-    cdef inline object _contiguous(self, object a):
-        """A checked input array as a C-contiguous array of the cache dtype."""
-        if (cnp.PyArray_TYPE(<cnp.ndarray>a) == self.typenum
-                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a)):
-            return a
-        # ALIGNED too: np.ascontiguousarray passes an unaligned C-contiguous
-        # array through (e.g. from a byte buffer at an odd offset), and the C
-        # code loads whole floats
-        return np.require(a, self.np_dtype, ("C_CONTIGUOUS", "ALIGNED"))
-
-    cdef object _output(self, object out, int64_t n, int hq):
-        cdef cnp.ndarray arr
-        if out is None:
-            return cnp.PyArray_EMPTY(3, [n, hq, self.head_dim], self.typenum, 0)
-        if not cnp.PyArray_Check(out):
-            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        arr = <cnp.ndarray>out
-        if cnp.PyArray_TYPE(arr) != self.typenum:
-            raise TypeError(f"out must have dtype {self.dtype}, got {arr.dtype}")
-        if (cnp.PyArray_NDIM(arr) != 3 or cnp.PyArray_DIMS(arr)[0] != n
-                or cnp.PyArray_DIMS(arr)[1] != hq or cnp.PyArray_DIMS(arr)[2] != self.head_dim):
-            raise ValueError(f"out must have shape [{n}, {hq}, {self.head_dim}], got {np.shape(arr)}")
-        if not cnp.PyArray_ISCARRAY(arr):
-            raise ValueError("out must be C-contiguous, aligned and writable")
-        return out
-
-    cdef object _query(self, object q, int64_t d0, str d0name, int *hq_out, bint convert=True):
-        """q as a C-contiguous [d0, Hq, D] array of the cache dtype; Hq into hq_out
-        (convert=False: checked, not converted; see _input)."""
-        cdef int hq
-        if not cnp.PyArray_Check(q):
-            try:
-                q = np.asarray(q)
-            except Exception as e:
-                raise TypeError(f"q must be a float array, got {type(q).__name__}") from e
-        if cnp.PyArray_TYPE(q) != self.typenum:
-            self._check_kind(q, "q")
-        if cnp.PyArray_NDIM(q) != 3:
-            raise ValueError(
-                f"q must have shape [{d0name}, Hq, {self.head_dim}], got shape {np.shape(q)}")
-        hq = <int>cnp.PyArray_DIMS(q)[1]
-        if hq < 1 or hq % self.num_kv_heads != 0:
-            raise ValueError(
-                f"q has {hq} heads; the number of query heads must be a positive "
-                f"multiple of num_kv_heads={self.num_kv_heads}")
-        hq_out[0] = hq
-        return self._input(q, "q", d0, hq, self.head_dim, d0name, convert)
-
-    # ------------------------------------------------------------------
     # append
 
     cdef inline void _write(self, Seq *s, int layer, int64_t slot0, int64_t n,
@@ -894,26 +702,6 @@ cdef class CacheCore:
         pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v,
                          self.io)
         s.written[layer] = s.segs.b1 + s.off1
-
-    cdef int _check_layer_append(self, const Seq *s, int layer, int64_t n) except -1:
-        cdef int64_t total = s.segs.b1 + s.off1
-        if n != s.step_n:
-            if s.step_n == 0:
-                raise ValueError(
-                    f"append on layer {layer} before any layer-0 append of this step: "
-                    "append layer 0 first")
-            raise ValueError(
-                f"append on layer {layer} must carry the n={s.step_n} tokens of the "
-                f"newest layer-0 append, got n={n}")
-        if n > s.segs.b1 - s.segs.b0:  # (trim resets step_n when it cuts into the step)
-            raise ValueError(
-                f"append on layer {layer}: the newest layer-0 step (n={n}) is no longer held "
-                "in full: append a new step on layer 0")
-        if s.written[layer] < total - n:
-            raise ValueError(
-                f"layer {layer} missed an earlier step of this sequence: it is written up to "
-                f"position {s.written[layer]}, the step starts at {total - n}")
-        return 0
 
     def append(self, sid, k, v, layer=0, token_ids=None):
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
@@ -926,23 +714,23 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     cdef object _append(self, object sid, object k, object v, object layer):
-        cdef Seq *s = self._seq(sid)
-        cdef int l = self._check_layer(layer)
+        cdef Seq *s = self.seqs.lookup(sid)
+        cdef int l = _check_layer(self, layer)
         # shapes, then the plan's checks, then the conversions (which may copy): an n that
         # cannot fit raises before a huge (e.g. broadcast) k or v is copied
-        k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
+        k = _input(self, k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
         cdef int64_t n = cnp.PyArray_DIMS(k)[0]
-        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
+        v = _input(self, v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
         cdef _Plan p
         if l == 0:
             self.seqs.plan_grow(s, n, self.sink_tokens, self.window_tokens, &p)
             self.seqs.check_seq_bound(&p)
             self.seqs.check_free(p.new_blocks + p.cow, p.freed)
         else:
-            self._check_layer_append(s, l, n)
+            _check_layer_append(s, l, n)
             self.seqs.check_free(self.seqs.shared_in(s, s.segs.b1 - n, s.segs.b1), 0)
-        k = self._contiguous(k)
-        v = self._contiguous(v)
+        k = _contiguous(self, k)
+        v = _contiguous(self, v)
         if l == 0:
             self.seqs.apply_grow(s, &p, n)
             s.step_n = n
@@ -951,33 +739,6 @@ cdef class CacheCore:
         self._write(s, l, s.segs.b1 - n, n,
                     <const char *>cnp.PyArray_DATA(k), <const char *>cnp.PyArray_DATA(v))
         self.seqs.touch(s)
-
-    cdef int64_t _batch_len(self, object sids) except -1:
-        """B = len(sids), checked: 1 <= B <= max_seqs."""
-        cdef int64_t B
-        try:
-            B = len(sids)
-        except TypeError:
-            raise TypeError(f"sids must be a sequence of ints, got {type(sids).__name__}") from None
-        if B < 1:
-            raise ValueError("sids must name at least one sequence")
-        if B > self.max_seqs:
-            raise ValueError(f"{B} sequence ids given; the cache holds at most {self.max_seqs}")
-        return B
-
-    cdef int64_t _batch_seqs(self, object sids) except -1:
-        """Fill b_seqs from a sequence of distinct ids; return B."""
-        cdef int64_t B = self._batch_len(sids), i, slot
-        cdef Seq *s
-        self.mark += 1
-        for i in range(B):
-            s = self._seq(sids[i])
-            slot = self.seqs.slot_of(s)
-            if self.b_mark[slot] == self.mark:
-                raise ValueError(f"sequence id {sids[i]!r} appears twice in sids")
-            self.b_mark[slot] = self.mark
-            self.b_seqs[i] = s
-        return B
 
     def append_batch(self, sids, k, v, layer=0, token_ids=None):
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
@@ -990,13 +751,13 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     cdef object _append_batch(self, object sids, object k, object v, object layer):
-        cdef int l = self._check_layer(layer)
-        cdef int64_t B = self._batch_seqs(sids)
+        cdef int l = _check_layer(self, layer)
+        cdef int64_t B = _batch_seqs(self, sids)
         cdef int64_t i, needed = 0, freed = 0
         cdef Seq *s
         cdef _Plan *p
-        k = self._input(k, "k", B, self.num_kv_heads, self.head_dim, "B")
-        v = self._input(v, "v", B, self.num_kv_heads, self.head_dim, "B")
+        k = _input(self, k, "k", B, self.num_kv_heads, self.head_dim, "B")
+        v = _input(self, v, "v", B, self.num_kv_heads, self.head_dim, "B")
         cdef const char *kp = <const char *>cnp.PyArray_DATA(k)
         cdef const char *vp = <const char *>cnp.PyArray_DATA(v)
         cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
@@ -1019,7 +780,7 @@ cdef class CacheCore:
         else:
             for i in range(B):
                 s = self.b_seqs[i]
-                self._check_layer_append(s, l, 1)
+                _check_layer_append(s, l, 1)
                 needed += self.seqs.shared_in(s, s.segs.b1 - 1, s.segs.b1)
             self.seqs.check_free(needed, 0)
             for i in range(B):
@@ -1032,20 +793,6 @@ cdef class CacheCore:
 
     # ------------------------------------------------------------------
     # attention
-
-    cdef int _check_attendable(self, const Seq *s, int layer, int64_t n) except -1:
-        cdef int64_t held = pkv_held(&s.segs)
-        if held == 0:
-            raise ValueError(f"sequence {s.sid} is empty: append before attend")
-        if n > held:
-            raise ValueError(f"{n} queries but the sequence holds only {held} tokens")
-        if s.written[layer] != s.segs.b1 + s.off1:
-            raise RuntimeError(
-                f"layer {layer} of sequence {s.sid} lacks its newest tokens: "
-                f"append them on layer {layer} before attend")
-        if pkv_check_seq(s.table, s.nblk, &s.segs, self.block_size, self.pool.num_blocks) != 0:
-            raise RuntimeError("internal error: inconsistent sequence metadata")
-        return 0
 
     cdef int _fill_args(self, pkv_attn_args *a, int layer, int hq, double scale,
                         object q, object out) except -1:
@@ -1088,58 +835,6 @@ cdef class CacheCore:
             a.sinks = <const double *>cnp.PyArray_DATA(sinks)
         return 0
 
-    cdef double _scale(self, object scale) except? -1:
-        if scale is None:
-            return 1.0 / sqrt(<double>self.head_dim)
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(
-                scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be None or a number, got {type(scale).__name__}")
-        try:
-            s = float(scale)
-        except OverflowError:  # an int beyond the float range
-            s = float("inf")
-        if not np.isfinite(s):
-            raise ValueError(f"scale must be finite, got {scale}")
-        return s
-
-    cdef object _options(self, object window, object softcap, object sinks, int hq):
-        """(window, softcap, sinks as float64 [hq]) checked, or None when all are off."""
-        if window is None and softcap is None and sinks is None:
-            return None
-        cdef int64_t w = 0
-        cdef double c = 0.0
-        if window is not None:
-            if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
-                raise TypeError(f"window must be None or an int >= 1, got "
-                                f"{type(window).__name__}")
-            if not 1 <= window < 2**62:
-                raise ValueError(f"window must be None or an int >= 1, got {window}")
-            w = window
-        if softcap is not None:
-            if isinstance(softcap, (bool, np.bool_)) or not isinstance(
-                    softcap, (int, float, np.integer, np.floating)):
-                raise TypeError(f"softcap must be None or a number > 0, got "
-                                f"{type(softcap).__name__}")
-            try:
-                c = float(softcap)
-            except OverflowError:  # an int beyond the float range
-                c = float("inf")
-            if not (c > 0 and c < float("inf")):
-                raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-        if sinks is not None:
-            if not isinstance(sinks, np.ndarray):
-                raise TypeError(f"sinks must be None or a float32/float64 NumPy array of shape "
-                                f"[{hq}] (one logit per query head), got {type(sinks).__name__}")
-            if sinks.dtype not in (np.float32, np.float64):
-                raise TypeError(f"sinks must be float32 or float64, got {sinks.dtype}")
-            if sinks.shape != (hq,):
-                raise ValueError(f"sinks must have shape ({hq},) (one logit per query head), "
-                                 f"got {sinks.shape}")
-            sinks = np.ascontiguousarray(sinks, dtype=np.float64)
-            if not np.isfinite(sinks).all():
-                raise ValueError("sinks must be finite")
-        return (w, c, sinks)
-
     def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
                sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
@@ -1152,15 +847,15 @@ cdef class CacheCore:
     cdef object _attend(self, object sid, object q, object layer, object scale, object out,
                         object window, object softcap, object sinks):
         cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = self._check_layer(layer)
+        cdef int l = _check_layer(self, layer)
         cdef int hq
-        q = self._query(q, -1, "n", &hq, False)  # converted once n is known to be attendable
+        q = _query(self, q, -1, "n", &hq, False)  # converted once n is known to be attendable
         cdef int64_t n = cnp.PyArray_DIMS(q)[0]
-        cdef double sc = self._scale(scale)
-        opts = self._options(window, softcap, sinks, hq)
-        self._check_attendable(s, l, n)
-        q = self._contiguous(q)
-        out = self._output(out, n, hq)
+        cdef double sc = _scale(self, scale)
+        opts = _options(window, softcap, sinks, hq)
+        _check_attendable(self, s, l, n)
+        q = _contiguous(self, q)
+        out = _output(self, out, n, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
         self._set_options(&a, opts)
@@ -1185,21 +880,21 @@ cdef class CacheCore:
 
     cdef object _attend_batch(self, object sids, object q, object layer, object scale,
                               object out, object window, object softcap, object sinks):
-        cdef int l = self._check_layer(layer)
+        cdef int l = _check_layer(self, layer)
         cdef int64_t B, i
         cdef int hq
         cdef Seq *s
-        B = self._batch_len(sids)
-        q = self._query(q, B, "B", &hq)
-        cdef double sc = self._scale(scale)
-        opts = self._options(window, softcap, sinks, hq)
+        B = _batch_len(self, sids)
+        q = _query(self, q, B, "B", &hq)
+        cdef double sc = _scale(self, scale)
+        opts = _options(window, softcap, sinks, hq)
         for i in range(B):
             s = self.seqs.lookup(sids[i])
-            self._check_attendable(s, l, 1)
+            _check_attendable(self, s, l, 1)
             self.b_seqs[i] = s
             self.b_tables[i] = s.table
             self.b_segs[i] = s.segs
-        out = self._output(out, B, hq)
+        out = _output(self, out, B, hq)
         cdef pkv_attn_args a
         self._fill_args(&a, l, hq, sc, q, out)
         self._set_options(&a, opts)
@@ -1225,12 +920,12 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     cdef object _read_kv_pattern(self, object sids, object layer):
-        cdef int l = self._check_layer(layer)
-        cdef int64_t B = self._batch_len(sids), i
+        cdef int l = _check_layer(self, layer)
+        cdef int64_t B = _batch_len(self, sids), i
         cdef Seq *s
         for i in range(B):
             s = self.seqs.lookup(sids[i])
-            self._check_attendable(s, l, 1)
+            _check_attendable(self, s, l, 1)
             self.b_tables[i] = s.table
             self.b_segs[i] = s.segs
         cdef int nt = _nthreads if _nthreads > 0 else pkv_max_threads()
@@ -1259,7 +954,7 @@ cdef class CacheCore:
 
     cdef object _gather(self, object sid, object layer):
         cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = self._check_layer(layer)
+        cdef int l = _check_layer(self, layer)
         cdef pkv_segs g = s.segs
         cdef int64_t held = pkv_held(&g), n0 = g.a1 - g.a0
         cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
@@ -1296,7 +991,7 @@ cdef class CacheCore:
         cdef Seq *s
         _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
+            s = self.seqs.lookup(sid)
             return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
                         off1=s.off1, table=self._table_copy(s).tolist())
         finally:
