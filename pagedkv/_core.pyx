@@ -151,6 +151,7 @@ include "_lock.pxi"
 include "_pool.pxi"
 include "_seqtable.pxi"
 include "_checks.pxi"
+include "_kernels.pxi"
 
 
 cdef class CacheCore:
@@ -261,8 +262,8 @@ cdef class CacheCore:
         self.b_plans = <_Plan *>_zalloc(sizeof(_Plan) * ms, &self._raw[4])
         self.has_rope = rope_cos is not None
         if self.has_rope:
-            self._set_rope(rope_cos, rope_sin)
-        self._ensure_scratch(max(pkv_max_threads(), _CPUS))
+            _set_rope(self, rope_cos, rope_sin)
+        _ensure_scratch(self, max(pkv_max_threads(), _CPUS))
 
     def __dealloc__(self):
         for i in range(5):
@@ -270,45 +271,6 @@ cdef class CacheCore:
         free(self.scratch_raw)
         free(self.partial_raw)
         _lock_free(&self.lock)
-
-    cdef _set_rope(self, cos, sin):
-        dt = np.float32 if self.compute == PKV_F32 else np.float64
-        cos = np.require(cos, dt, ("C_CONTIGUOUS", "ALIGNED"))
-        sin = np.require(sin, dt, ("C_CONTIGUOUS", "ALIGNED"))
-        if cos.ndim != 2 or cos.shape != sin.shape:
-            raise ValueError("rope tables must be two arrays of equal shape [max_pos, half]")
-        half = cos.shape[1]
-        if half < 1 or 2 * half > self.head_dim:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}]")
-        if cos.shape[0] < self.max_blocks_per_seq * self.block_size:
-            raise ValueError("rope tables must cover max_blocks_per_seq * block_size positions")
-        self._rope_cos = cos
-        self._rope_sin = sin
-        # keys are rotated a vector of consecutive positions at a time: [half][max_pos]
-        self._rope_cos_t = np.ascontiguousarray(cos.T)
-        self._rope_sin_t = np.ascontiguousarray(sin.T)
-        self.rope.cos = cnp.PyArray_DATA(cos)
-        self.rope.sin = cnp.PyArray_DATA(sin)
-        self.rope.cos_t = cnp.PyArray_DATA(self._rope_cos_t)
-        self.rope.sin_t = cnp.PyArray_DATA(self._rope_sin_t)
-        self.rope.max_pos = cos.shape[0]
-        self.rope.half = <int>half
-
-    cdef int _ensure_scratch(self, int threads) except -1:
-        if threads <= self.scratch_threads:
-            return 0
-        stride = pkv_scratch_bytes(self.block_size, self.head_dim, self.csize)
-        free(self.scratch_raw)
-        free(self.partial_raw)
-        self.scratch_raw = NULL
-        self.partial_raw = NULL
-        self.scratch_threads = 0
-        self.scratch = _zalloc(stride * threads, &self.scratch_raw)
-        self.partial = _zalloc(2 * threads * pkv_partial_slot_bytes(self.head_dim, self.csize),
-                               &self.partial_raw)
-        self.scratch_stride = stride
-        self.scratch_threads = threads
-        return 0
 
     # ------------------------------------------------------------------
     # geometry
@@ -697,48 +659,15 @@ cdef class CacheCore:
     # ------------------------------------------------------------------
     # append
 
-    cdef inline void _write(self, Seq *s, int layer, int64_t slot0, int64_t n,
-                            const char *k, const char *v) noexcept:
-        pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v,
-                         self.io)
-        s.written[layer] = s.segs.b1 + s.off1
-
     def append(self, sid, k, v, layer=0, token_ids=None):
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
         if token_ids is not None:
             _no_token_ids()
         _call_enter(&self.lock)
         try:
-            return self._append(sid, k, v, layer)
+            return _append(self, sid, k, v, layer)
         finally:
             _call_exit(&self.lock)
-
-    cdef object _append(self, object sid, object k, object v, object layer):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = _check_layer(self, layer)
-        # shapes, then the plan's checks, then the conversions (which may copy): an n that
-        # cannot fit raises before a huge (e.g. broadcast) k or v is copied
-        k = _input(self, k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
-        cdef int64_t n = cnp.PyArray_DIMS(k)[0]
-        v = _input(self, v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
-        cdef _Plan p
-        if l == 0:
-            self.seqs.plan_grow(s, n, self.sink_tokens, self.window_tokens, &p)
-            self.seqs.check_seq_bound(&p)
-            self.seqs.check_free(p.new_blocks + p.cow, p.freed)
-        else:
-            _check_layer_append(s, l, n)
-            self.seqs.check_free(self.seqs.shared_in(s, s.segs.b1 - n, s.segs.b1), 0)
-        k = _contiguous(self, k)
-        v = _contiguous(self, v)
-        if l == 0:
-            self.seqs.apply_grow(s, &p, n)
-            s.step_n = n
-        else:
-            self.seqs.make_private(s, s.segs.b1 - n, s.segs.b1)
-        self._write(s, l, s.segs.b1 - n, n,
-                    <const char *>cnp.PyArray_DATA(k), <const char *>cnp.PyArray_DATA(v))
-        self.seqs.touch(s)
 
     def append_batch(self, sids, k, v, layer=0, token_ids=None):
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
@@ -746,165 +675,30 @@ cdef class CacheCore:
             _no_token_ids()
         _call_enter(&self.lock)
         try:
-            return self._append_batch(sids, k, v, layer)
+            return _append_batch(self, sids, k, v, layer)
         finally:
             _call_exit(&self.lock)
 
-    cdef object _append_batch(self, object sids, object k, object v, object layer):
-        cdef int l = _check_layer(self, layer)
-        cdef int64_t B = _batch_seqs(self, sids)
-        cdef int64_t i, needed = 0, freed = 0
-        cdef Seq *s
-        cdef _Plan *p
-        k = _input(self, k, "k", B, self.num_kv_heads, self.head_dim, "B")
-        v = _input(self, v, "v", B, self.num_kv_heads, self.head_dim, "B")
-        cdef const char *kp = <const char *>cnp.PyArray_DATA(k)
-        cdef const char *vp = <const char *>cnp.PyArray_DATA(v)
-        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
-        if l == 0:
-            for i in range(B):
-                p = &self.b_plans[i]
-                self.seqs.plan_grow(self.b_seqs[i], 1, self.sink_tokens, self.window_tokens, p)
-                self.seqs.check_seq_bound(p)
-                needed += p.new_blocks + p.cow
-                freed += p.freed
-            self.seqs.check_free(needed, freed)
-            # every trim first: the check counted the blocks all of them give back, and a
-            # sequence early in the batch may need blocks a later one's trim frees (taking them
-            # before that trim would find the free queue empty)
-            for i in range(B):
-                self.seqs.apply_drop(self.b_seqs[i], &self.b_plans[i], _TRIM_STREAMING)
-            for i in range(B):
-                self.seqs.apply_add(self.b_seqs[i], &self.b_plans[i], 1)
-                self.b_seqs[i].step_n = 1
-        else:
-            for i in range(B):
-                s = self.b_seqs[i]
-                _check_layer_append(s, l, 1)
-                needed += self.seqs.shared_in(s, s.segs.b1 - 1, s.segs.b1)
-            self.seqs.check_free(needed, 0)
-            for i in range(B):
-                s = self.b_seqs[i]
-                self.seqs.make_private(s, s.segs.b1 - 1, s.segs.b1)
-        for i in range(B):
-            s = self.b_seqs[i]
-            self._write(s, l, s.segs.b1 - 1, 1, kp + i * tok, vp + i * tok)
-            self.seqs.touch(s)
-
     # ------------------------------------------------------------------
     # attention
-
-    cdef int _fill_args(self, pkv_attn_args *a, int layer, int hq, double scale,
-                        object q, object out) except -1:
-        a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
-        self._ensure_scratch(a.nthreads)
-        a.k = self.pool.plane(layer)
-        a.v = self.pool.plane(layer) + self.pool.geom.plane_bytes
-        a.block_stride = self.pool.geom.block_bytes
-        a.scale_offset = self.pool.geom.scale_offset
-        a.bs = self.block_size
-        a.hkv = self.num_kv_heads
-        a.hq = hq
-        a.d = self.head_dim
-        a.tables = self.b_tables
-        a.segs = self.b_segs
-        a.q = cnp.PyArray_DATA(q)
-        a.out = cnp.PyArray_DATA(out)
-        a.qo16 = self.io if self.io != self.compute else 0
-        a.scale = scale
-        a.rope = &self.rope if self.has_rope else NULL
-        a.scratch = self.scratch
-        a.scratch_stride = self.scratch_stride
-        a.partial = self.partial
-        a.partial_slots = 2 * self.scratch_threads
-        a.plan_out = self.plan
-        a.window = 0
-        a.softcap = 0.0
-        a.sinks = NULL
-        return 0
-
-    cdef int _set_options(self, pkv_attn_args *a, object opts) except -1:
-        """window / softcap / sinks from _options() (checked there)."""
-        cdef cnp.ndarray sinks
-        if opts is None:
-            return 0
-        window, softcap, sinks = opts
-        a.window = window
-        a.softcap = softcap
-        if sinks is not None:
-            a.sinks = <const double *>cnp.PyArray_DATA(sinks)
-        return 0
 
     def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
                sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
         _call_enter(&self.lock)
         try:
-            return self._attend(sid, q, layer, scale, out, window, softcap, sinks)
+            return _attend(self, sid, q, layer, scale, out, window, softcap, sinks)
         finally:
             _call_exit(&self.lock)
-
-    cdef object _attend(self, object sid, object q, object layer, object scale, object out,
-                        object window, object softcap, object sinks):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = _check_layer(self, layer)
-        cdef int hq
-        q = _query(self, q, -1, "n", &hq, False)  # converted once n is known to be attendable
-        cdef int64_t n = cnp.PyArray_DIMS(q)[0]
-        cdef double sc = _scale(self, scale)
-        opts = _options(window, softcap, sinks, hq)
-        _check_attendable(self, s, l, n)
-        q = _contiguous(self, q)
-        out = _output(self, out, n, hq)
-        cdef pkv_attn_args a
-        self._fill_args(&a, l, hq, sc, q, out)
-        self._set_options(&a, opts)
-        self.b_tables[0] = s.table
-        self.b_segs[0] = s.segs
-        a.nseq = 1
-        a.nq = n
-        cdef pkv_attn_fn fn = self.kernels.decode if n == 1 else self.kernels.prefill
-        with nogil:
-            fn(&a)
-        self.seqs.touch(s)
-        return out
 
     def attend_batch(self, sids, q, layer=0, scale=None, out=None, window=None, softcap=None,
                      sinks=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
         _call_enter(&self.lock)
         try:
-            return self._attend_batch(sids, q, layer, scale, out, window, softcap, sinks)
+            return _attend_batch(self, sids, q, layer, scale, out, window, softcap, sinks)
         finally:
             _call_exit(&self.lock)
-
-    cdef object _attend_batch(self, object sids, object q, object layer, object scale,
-                              object out, object window, object softcap, object sinks):
-        cdef int l = _check_layer(self, layer)
-        cdef int64_t B, i
-        cdef int hq
-        cdef Seq *s
-        B = _batch_len(self, sids)
-        q = _query(self, q, B, "B", &hq)
-        cdef double sc = _scale(self, scale)
-        opts = _options(window, softcap, sinks, hq)
-        for i in range(B):
-            s = self.seqs.lookup(sids[i])
-            _check_attendable(self, s, l, 1)
-            self.b_seqs[i] = s
-            self.b_tables[i] = s.table
-            self.b_segs[i] = s.segs
-        out = _output(self, out, B, hq)
-        cdef pkv_attn_args a
-        self._fill_args(&a, l, hq, sc, q, out)
-        self._set_options(&a, opts)
-        a.nseq = B
-        a.nq = 1
-        with nogil:
-            self.kernels.decode(&a)
-        for i in range(B):
-            self.seqs.touch(self.b_seqs[i])
-        return out
 
     def read_kv_pattern(self, sids, layer=0):
         """Read the K and V bytes attend_batch(sids) reads, in its block pattern,
@@ -948,26 +742,9 @@ cdef class CacheCore:
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
         _call_enter(&self.lock)
         try:
-            return self._gather(sid, layer)
+            return _gather(self, sid, layer)
         finally:
             _call_exit(&self.lock)
-
-    cdef object _gather(self, object sid, object layer):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = _check_layer(self, layer)
-        cdef pkv_segs g = s.segs
-        cdef int64_t held = pkv_held(&g), n0 = g.a1 - g.a0
-        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
-        k = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
-        v = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
-        cdef char *kp = <char *>cnp.PyArray_DATA(k)
-        cdef char *vp = <char *>cnp.PyArray_DATA(v)
-        with nogil:
-            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.a0, g.a1, kp, vp,
-                            self.io)
-            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.b0, g.b1,
-                            kp + n0 * tok, vp + n0 * tok, self.io)
-        return k, v
 
     # ------------------------------------------------------------------
     # introspection
