@@ -94,7 +94,8 @@ ext = Extension(
              ("types.h", "simd.h", "layout.h", "attention.h", "attn_instances.h",
               "attn_math.h", "attn_impl.h", "attn_vocab_end.h", "peak.h")]
     + [os.path.join("pagedkv", f) for f in
-       ("_core.pxd", "_lock.pxi", "_checks.pxi", "_pool.pxi", "_seqtable.pxi", "_kernels.pxi")],
+       ("_core.pxd", "_lock.pxi", "_checks.pxi", "_pool.pxi", "_seqtable.pxi", "_kernels.pxi",
+        "_transfer.pxi", "_diag.pxi")],
 )
 
 setup(

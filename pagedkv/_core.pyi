@@ -1,4 +1,4 @@
-"""Type stubs of the Cython core (pagedkv/_core.pyx, _pool.pxi, _seqtable.pxi)."""
+"""Type stubs of the Cython core (pagedkv/_core.pyx and the .pxi files it includes)."""
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np

@@ -5,9 +5,17 @@
                     free queue (least recently freed first)
     _seqtable.pxi   SequenceTable: one Seq struct per sequence, ids, grow /
                     StreamingLLM trim / copy-on-write / fork / truncate / free
-    _core.pyx       CacheCore: the facade PagedKVCache holds; it checks every
-                    argument once and calls the C kernels of include/pagedkv/
-                    (picked from their dispatch table) without the GIL
+    _lock.pxi       the cache's lock (thread model), hold()
+    _checks.pxi     argument checks: dtypes, sizes, layers, ids, arrays in and
+                    out, attention options
+    _kernels.pxi    append / attend / gather: the calls of the C kernels of
+                    include/pagedkv/ (picked from their dispatch table), made
+                    without the GIL
+    _transfer.pxi   export / import of sequences, adopt, compact, resize
+    _diag.pxi       views for the Python layer and tests, the read pattern,
+                    read bandwidth and instruction peak
+    _core.pyx       CacheCore: the facade PagedKVCache holds; each public
+                    method takes the lock and calls the functions above
 
 Policy (which sequences to evict, StreamingLLM sizes, statistics objects)
 lives in the Python layer.
@@ -152,10 +160,19 @@ include "_pool.pxi"
 include "_seqtable.pxi"
 include "_checks.pxi"
 include "_kernels.pxi"
+include "_transfer.pxi"
+include "_diag.pxi"
+
+
+# ----------------------------------------------------------------------------
+# the facade
 
 
 cdef class CacheCore:
-    """Pool + sequence table behind a checked API; see PagedKVCache."""
+    """Pool + sequence table behind a checked API; see PagedKVCache.
+
+    Each public method takes the cache's lock (_lock.pxi) for the whole call and
+    hands the work to a function of the .pxi files; the fields are read there."""
 
     cdef:
         readonly BlockPool pool
@@ -304,7 +321,7 @@ cdef class CacheCore:
         return self.pool.bytes_per_block
 
     # ------------------------------------------------------------------
-    # the lock (thread model: _lock.pxi) and ids
+    # the lock (thread model: _lock.pxi)
 
     def hold(self):
         """A context manager holding the cache's lock across several calls of
@@ -382,53 +399,26 @@ cdef class CacheCore:
 
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
-        cdef Seq *s
-        cdef int64_t i, n = 0
-        cdef int64_t *p
         _call_enter(&self.lock)
         try:
-            s = self.seqs.lookup(sid)
-            out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
-            p = <int64_t *>cnp.PyArray_DATA(out)
-            for i in range(s.segs.a0, s.segs.a1):
-                p[n] = i + s.off0
-                n += 1
-            for i in range(s.segs.b0, s.segs.b1):
-                p[n] = i + s.off1
-                n += 1
-            return out
+            return _kept_positions(self, sid)
         finally:
             _call_exit(&self.lock)
 
-    cdef object _table_copy(self, const Seq *s):
-        out = np.empty(s.nblk, dtype=np.int32)
-        if s.nblk:
-            memcpy(cnp.PyArray_DATA(out), s.table, 4 * s.nblk)
-        return out
-
     def block_table(self, sid):
         """Physical block ids of the sequence, in order (a copy, int32)."""
-        cdef Seq *s
         _call_enter(&self.lock)
         try:
-            return self._table_copy(self.seqs.lookup(sid))
+            return _table_copy(self.seqs.lookup(sid))
         finally:
             _call_exit(&self.lock)
 
     def sequence_infos(self):
         """(sid, last_use, use_count, tokens, blocks, priority, order) of every live
         sequence, lowest slot first: what the eviction strategies rank."""
-        cdef int64_t i
-        cdef Seq *s
         _call_enter(&self.lock)
         try:
-            out = []
-            for i in range(self.seqs.max_seqs):
-                s = &self.seqs.seqs[i]
-                if s.sid >= 0:
-                    out.append((s.sid, s.last_use, s.use_count, pkv_held(&s.segs), s.nblk,
-                                s.priority, s.order))
-            return out
+            return _sequence_infos(self)
         finally:
             _call_exit(&self.lock)
 
@@ -474,151 +464,9 @@ cdef class CacheCore:
         """Stream positions written on every layer (the fully written prefix)."""
         _call_enter(&self.lock)
         try:
-            return self._written_tokens(sid)
+            return _written_tokens(self, sid)
         finally:
             _call_exit(&self.lock)
-
-    cdef object _written_tokens(self, object sid):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int64_t w = s.written[0]
-        cdef int l
-        for l in range(1, self.num_layers):
-            w = min(w, s.written[l])
-        return w
-
-    def adopt(self, blocks, double priority=0.0):
-        """A new sequence holding `blocks` (in use, or free but still cached),
-        full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
-        Returns its id; raises and changes nothing when a block is invalid."""
-        _call_enter(&self.lock)
-        try:
-            return self._adopt(blocks, priority)
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _adopt(self, object blocks, object priority):
-        cdef cnp.ndarray arr = np.require(blocks, np.int32, ("C_CONTIGUOUS", "ALIGNED"))
-        cdef int64_t n = arr.shape[0] if arr.ndim == 1 else -1, i
-        cdef const int32_t *b = <const int32_t *>cnp.PyArray_DATA(arr)
-        if n < 0:
-            raise ValueError("blocks must be one-dimensional")
-        if n > self.max_blocks_per_seq:
-            raise ValueError(f"{n} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
-        for i in range(n):
-            if b[i] < 0 or b[i] >= self.pool.num_blocks or (
-                    self.pool.refcount[b[i]] == 0 and not self.pool.cached[b[i]]):
-                raise ValueError(f"block {b[i]} is neither in use nor cached")
-        return self.seqs.adopt(b, n, priority).sid
-
-    # ------------------------------------------------------------------
-    # compaction, resize, export / import
-
-    def compact(self):
-        """Move every used block to the lowest ids and rewrite the block tables.
-        Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
-        _call_enter(&self.lock)
-        try:
-            return self._compact()
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _compact(self):
-        moved_to = np.empty(self.pool.num_blocks, dtype=np.int32)
-        cdef int32_t *m = <int32_t *>cnp.PyArray_DATA(moved_to)
-        moves = self.pool.compact(m)
-        self.seqs.renumber(m)
-        return moves, moved_to
-
-    def resize(self, num_blocks):
-        """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
-        free: compact() first).  max_blocks_per_seq does not change."""
-        _call_enter(&self.lock)
-        try:
-            return self._resize(num_blocks)
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _resize(self, object num_blocks):
-        n = _positive_int("num_blocks", num_blocks)
-        if n > 2**31 - 1:
-            raise ValueError(f"num_blocks must be < 2**31, got {n}")
-        hi = self.pool.highest_used()
-        if n <= hi:
-            raise ValueError(
-                f"cannot shrink the pool to {n} blocks: block {hi} is in use "
-                f"({self.pool.num_blocks - self.pool.num_free} blocks used); call compact() first")
-        if n * self.pool.geom.block_bytes > 2**56:
-            raise MemoryError(f"the pool would need {n * self.pool.geom.block_bytes} bytes")
-        if n != self.pool.num_blocks:
-            self.pool.resize(n)
-
-    def export_seq(self, sid):
-        """(meta, blocks) of a sequence: its segments and offsets, and its
-        blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
-        _call_enter(&self.lock)
-        try:
-            return self._export_seq(sid)
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _export_seq(self, object sid):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int64_t i
-        cdef size_t bb = self.pool.geom.block_bytes
-        _check_step_done(s, sid, self.num_layers, "export")
-        data = np.empty((s.nblk, bb), dtype=np.uint8)
-        cdef char *d = <char *>cnp.PyArray_DATA(data)
-        for i in range(s.nblk):
-            memcpy(d + i * bb, self.pool.block_ptr(s.table[i]), bb)
-        meta = dict(nblk=s.nblk, a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1,
-                    off0=s.off0, off1=s.off1, priority=s.priority)
-        return meta, data
-
-    def import_seq(self, meta, data):
-        """A new sequence from export_seq's (meta, blocks); checks everything
-        first and changes nothing when it raises."""
-        _call_enter(&self.lock)
-        try:
-            return self._import_seq(meta, data)
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _import_seq(self, object meta, object data):
-        cdef size_t bb = self.pool.geom.block_bytes
-        cdef int64_t bs = self.block_size, i
-        try:
-            nblk, a0, a1, b0, b1, off0, off1 = (int(meta[k]) for k in (
-                "nblk", "a0", "a1", "b0", "b1", "off0", "off1"))
-            priority = float(meta.get("priority", 0.0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
-        # kept positions (slot + offset of its segment) must increase: the sinks before the window
-        if not (0 <= a0 <= a1 <= b0 <= b1 and 0 <= nblk and _cdiv(b1, bs) == nblk
-                and 0 <= off0 < 2**62 and 0 <= off1 < 2**62
-                and (a0 == a1 or a1 + off0 <= b0 + off1)):
-            raise ValueError(
-                f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}) at "
-                f"offsets {off0}, {off1}, {nblk} blocks of {bs} tokens")
-        if nblk > self.max_blocks_per_seq:
-            raise ValueError(
-                f"the sequence holds {nblk} blocks; max_blocks_per_seq is {self.max_blocks_per_seq}")
-        cdef cnp.ndarray arr = np.ascontiguousarray(data, dtype=np.uint8)
-        if arr.size != nblk * bb:
-            raise ValueError(f"expected {nblk * bb} bytes of blocks, got {arr.size}")
-        if self.seqs.n_slots_free == 0:
-            raise RuntimeError(f"all {self.max_seqs} sequence slots are in use (max_seqs)")
-        self.seqs.check_free(nblk, 0)
-        cdef Seq *s = self.seqs.new_seq(priority)
-        cdef const char *d = <const char *>cnp.PyArray_DATA(arr)
-        for i in range(nblk):
-            s.table[i] = self.pool.take()
-            memcpy(self.pool.block_ptr(s.table[i]), d + i * bb, bb)
-        s.nblk = nblk
-        s.segs.a0, s.segs.a1, s.segs.b0, s.segs.b1 = a0, a1, b0, b1
-        s.off0, s.off1 = off0, off1
-        for i in range(self.num_layers):
-            s.written[i] = b1 + off1
-        return s.sid
 
     # ------------------------------------------------------------------
     # StreamingLLM
@@ -657,7 +505,56 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
-    # append
+    # blocks in and out (_transfer.pxi)
+
+    def adopt(self, blocks, double priority=0.0):
+        """A new sequence holding `blocks` (in use, or free but still cached),
+        full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
+        Returns its id; raises and changes nothing when a block is invalid."""
+        _call_enter(&self.lock)
+        try:
+            return _adopt(self, blocks, priority)
+        finally:
+            _call_exit(&self.lock)
+
+    def compact(self):
+        """Move every used block to the lowest ids and rewrite the block tables.
+        Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
+        _call_enter(&self.lock)
+        try:
+            return _compact(self)
+        finally:
+            _call_exit(&self.lock)
+
+    def resize(self, num_blocks):
+        """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
+        free: compact() first).  max_blocks_per_seq does not change."""
+        _call_enter(&self.lock)
+        try:
+            return _resize(self, num_blocks)
+        finally:
+            _call_exit(&self.lock)
+
+    def export_seq(self, sid):
+        """(meta, blocks) of a sequence: its segments and offsets, and its
+        blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
+        _call_enter(&self.lock)
+        try:
+            return _export_seq(self, sid)
+        finally:
+            _call_exit(&self.lock)
+
+    def import_seq(self, meta, data):
+        """A new sequence from export_seq's (meta, blocks); checks everything
+        first and changes nothing when it raises."""
+        _call_enter(&self.lock)
+        try:
+            return _import_seq(self, meta, data)
+        finally:
+            _call_exit(&self.lock)
+
+    # ------------------------------------------------------------------
+    # the kernels (_kernels.pxi)
 
     def append(self, sid, k, v, layer=0, token_ids=None):
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
@@ -679,9 +576,6 @@ cdef class CacheCore:
         finally:
             _call_exit(&self.lock)
 
-    # ------------------------------------------------------------------
-    # attention
-
     def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
                sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
@@ -700,44 +594,6 @@ cdef class CacheCore:
         finally:
             _call_exit(&self.lock)
 
-    def read_kv_pattern(self, sids, layer=0):
-        """Read the K and V bytes attend_batch(sids) reads, in its block pattern,
-        and compute nothing: for each sequence, each block its held tokens touch,
-        the block's K plane of `layer` (all KV heads), then its V plane
-        (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
-        (bytes read, XOR of all bytes read): the decode read ceiling the
-        benchmark measures over the same pool and block tables."""
-        _call_enter(&self.lock)
-        try:
-            return self._read_kv_pattern(sids, layer)
-        finally:
-            _call_exit(&self.lock)
-
-    cdef object _read_kv_pattern(self, object sids, object layer):
-        cdef int l = _check_layer(self, layer)
-        cdef int64_t B = _batch_len(self, sids), i
-        cdef Seq *s
-        for i in range(B):
-            s = self.seqs.lookup(sids[i])
-            _check_attendable(self, s, l, 1)
-            self.b_tables[i] = s.table
-            self.b_segs[i] = s.segs
-        cdef int nt = _nthreads if _nthreads > 0 else pkv_max_threads()
-        cdef const char *k = self.pool.plane(l)
-        cdef size_t plane = self.pool.geom.plane_bytes, nbytes = 0
-        cdef uint64_t x
-        with nogil:
-            x = pkv_read_pattern(k, k + plane, plane, self.pool.geom.block_bytes,
-                                 self.block_size, B, <const int32_t *const *>self.b_tables,
-                                 self.b_segs, _simd, nt, &nbytes)
-        x ^= x >> 32
-        x ^= x >> 16
-        x ^= x >> 8
-        return int(nbytes), int(x & 0xFF)
-
-    # ------------------------------------------------------------------
-    # gather
-
     def gather(self, sid, layer=0):
         """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
         _call_enter(&self.lock)
@@ -747,7 +603,20 @@ cdef class CacheCore:
             _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
-    # introspection
+    # introspection (_diag.pxi)
+
+    def read_kv_pattern(self, sids, layer=0):
+        """Read the K and V bytes attend_batch(sids) reads, in its block pattern,
+        and compute nothing: for each sequence, each block its held tokens touch,
+        the block's K plane of `layer` (all KV heads), then its V plane
+        (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
+        (bytes read, XOR of all bytes read): the decode read ceiling the
+        benchmark measures over the same pool and block tables."""
+        _call_enter(&self.lock)
+        try:
+            return _read_kv_pattern(self, sids, layer)
+        finally:
+            _call_exit(&self.lock)
 
     def ref_count(self, block):
         """References to a physical block (0: free)."""
@@ -765,143 +634,8 @@ cdef class CacheCore:
 
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""
-        cdef Seq *s
         _call_enter(&self.lock)
         try:
-            s = self.seqs.lookup(sid)
-            return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
-                        off1=s.off1, table=self._table_copy(s).tolist())
+            return _debug_state(self, sid)
         finally:
             _call_exit(&self.lock)
-
-
-def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
-    """Measure memory read bandwidth (bytes/s, best of `repeats`) with the core's
-    SIMD read kernel over a buffer of `nbytes` (should be well above the L3 size)."""
-    import time
-    cdef int nt = get_num_threads() if threads is None else int(threads)
-    if nt < 1:
-        raise ValueError(f"threads must be >= 1, got {nt}")
-    buf = np.ones(max(int(nbytes) // 4, 1024), dtype=np.float32)
-    cdef const void *p = cnp.PyArray_DATA(buf)
-    cdef size_t n = buf.size
-    cdef double s
-    best = 0.0
-    with nogil:
-        s = pkv_read_sum(p, n, PKV_F32, _simd, nt)  # warm: pages resident, threads up
-    for _ in range(int(repeats)):
-        t0 = time.perf_counter()
-        with nogil:
-            s = pkv_read_sum(p, n, PKV_F32, _simd, nt)
-        dt = time.perf_counter() - t0
-        if s != <double>n:
-            raise RuntimeError("read kernel returned a wrong sum")
-        best = max(best, n * 4 / dt)
-    return best
-
-
-# ----------------------------------------------------------------------------
-# instruction peak (include/pagedkv/peak.h)
-
-_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64}
-
-
-def _peak_args(kind, simd, threads):
-    """(kind index, SIMD index, threads) of a peak probe, checked."""
-    if not isinstance(kind, str) or kind not in _PEAK_KINDS:
-        raise ValueError(f"unknown instruction kind {kind!r}; expected one of "
-                         f"{', '.join(_PEAK_KINDS)}")
-    cdef int k = _PEAK_KINDS[kind]
-    cdef int s = _simd
-    if simd is not None:
-        if not isinstance(simd, str) or simd not in _SIMD_NAMES:
-            raise ValueError(f"unknown SIMD path {simd!r}; expected one of "
-                             f"{', '.join(_SIMD_NAMES)}")
-        s = _SIMD_NAMES.index(simd)
-        if not pkv_simd_supported(s):
-            raise ValueError(f"SIMD path {simd!r} does not run on this machine (it runs "
-                             f"{', '.join(simd_supported())})")
-    if pkv_peak_width(k, s) == 0:
-        raise ValueError(f"no {kind} probe for SIMD path {_SIMD_NAMES[s]!r} in this build")
-    nt = int(threads)
-    if nt < 1:
-        raise ValueError(f"threads must be >= 1, got {nt}")
-    return k, s, nt
-
-
-def _fma_probe(kind="fma_f32", simd=None, iters=1, threads=1, a=0.5, b=1.0):
-    """Run the peak loop once, `iters` rounds on each of `threads` threads:
-    (lanes done, sum of every final lane).  Lane k of a thread's chains
-    starts at k, and each round turns its value c into c * a + b (for the
-    tests)."""
-    cdef int k, s, nt
-    k, s, nt = _peak_args(kind, simd, threads)
-    cdef int64_t n = int(iters)
-    if n < 0:
-        raise ValueError(f"iters must be >= 0, got {n}")
-    cdef double fa = float(a), fb = float(b), total = 0.0
-    cdef uint64_t lanes
-    with nogil:
-        lanes = pkv_peak_run(k, s, n, nt, fa, fb, &total)
-    return int(lanes), float(total)
-
-
-def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats=20):
-    """Measured peak rate of an instruction on this machine, in lanes per second.
-
-    kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
-    are built on (one multiply-add of one lane counts 1).  simd: the path
-    ("scalar", "avx2", "avx512", "neon"; None: the active one,
-    simd_backend()).  threads: threads running the loop at once (OpenMP;
-    a build without it runs their loops one after another, so the rate is
-    one thread's); the rate is the lanes of all of them / wall time.  The loop
-    (include/pagedkv/peak.h: 12 independent FMA chains over SIMD registers)
-    is timed for about `seconds` in all, as `repeats` runs of equal length
-    after a calibration that also warms up; the best run counts (short runs
-    are less likely to lose the CPU to another process on a shared machine).
-    Raises ValueError for an unknown kind or path, a path this machine does
-    not run, threads < 1, seconds <= 0 or repeats < 1."""
-    import math
-    import time
-    cdef int k, s, nt
-    k, s, nt = _peak_args(kind, simd, threads)
-    secs = float(seconds)
-    if not (secs > 0 and math.isfinite(secs)):
-        raise ValueError(f"seconds must be > 0, got {seconds!r}")
-    nrep = int(repeats)
-    if nrep < 1:
-        raise ValueError(f"repeats must be >= 1, got {nrep}")
-    run_s = secs / nrep
-    cdef uint64_t per_round = <uint64_t>nt * PKV_PEAK_CHAINS * pkv_peak_width(k, s)
-    cdef int64_t iters = 256
-    rate = 0.0  # best rounds per second seen
-    # calibration, which also warms up (thread pool started, clocks up): at
-    # least 3 runs, until one lasts half a timed run
-    for cal in range(64):
-        dt = _peak_once(k, s, iters, nt, per_round)
-        rate = max(rate, iters / dt)
-        if cal >= 2 and dt >= 0.5 * run_s:
-            break
-        iters = max(iters, min(64 * iters, <int64_t>(rate * run_s) + 1))
-    iters = max(256, <int64_t>(rate * run_s))
-    best = 0.0
-    for _ in range(nrep):
-        best = max(best, iters * per_round / _peak_once(k, s, iters, nt, per_round))
-    return best
-
-
-cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) except -1:
-    """Seconds one run of the probe took; checks the lanes it counted and its
-    checksum: with a = 0.5, b = 1 every lane ends at exactly 2 after >= 256
-    rounds (2^-256 times any start is below half an ulp of 2)."""
-    import time
-    cdef uint64_t lanes
-    cdef double total = 0.0
-    t0 = time.perf_counter()
-    with nogil:
-        lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
-    dt = time.perf_counter() - t0
-    if total != 2.0 * per_round or lanes != <uint64_t>iters * per_round:
-        raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
-                           f"{iters * per_round} lanes with checksum {2.0 * per_round}")
-    return max(dt, 1e-9)
