@@ -154,7 +154,6 @@ cdef void *_zalloc(size_t n, void **raw) except NULL:
     return p
 
 
-
 include "_lock.pxi"
 include "_pool.pxi"
 include "_seqtable.pxi"
@@ -165,14 +164,12 @@ include "_diag.pxi"
 
 
 # ----------------------------------------------------------------------------
-# the facade
-
+# the facade: each public method takes the cache's lock (_lock.pxi) for the
+# whole call and hands the work to a function of the .pxi files above, which
+# reads the fields
 
 cdef class CacheCore:
-    """Pool + sequence table behind a checked API; see PagedKVCache.
-
-    Each public method takes the cache's lock (_lock.pxi) for the whole call and
-    hands the work to a function of the .pxi files; the fields are read there."""
+    """Pool + sequence table behind a checked API; see PagedKVCache."""
 
     cdef:
         readonly BlockPool pool
