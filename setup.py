@@ -93,7 +93,9 @@ ext = Extension(
     depends=[os.path.join("include", "pagedkv", f) for f in
              ("types.h", "simd.h", "layout.h", "attention.h", "attn_instances.h",
               "attn_math.h", "attn_impl.h", "attn_vocab_end.h", "peak.h")]
-    + [os.path.join("pagedkv", f) for f in ("_core.pxd", "_pool.pxi", "_seqtable.pxi")],
+    + [os.path.join("pagedkv", f) for f in
+       ("_core.pxd", "_lock.pxi", "_checks.pxi", "_pool.pxi", "_seqtable.pxi", "_kernels.pxi",
+        "_transfer.pxi", "_diag.pxi")],
 )
 
 setup(

@@ -1,4 +1,4 @@
-"""Type stubs of the Cython core (pagedkv/_core.pyx, _pool.pxi, _seqtable.pxi)."""
+"""Type stubs of the Cython core (pagedkv/_core.pyx and the .pxi files it includes)."""
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -58,16 +58,19 @@ class CacheCore:
     num_layers: int
     max_seqs: int
     max_blocks_per_seq: int
+    raw16: bool
     seqs_freed: int
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  num_layers: int = ..., dtype: Any = ..., max_seqs: int = ...,
                  max_blocks_per_seq: Optional[int] = ..., rope_cos: Optional[np.ndarray] = ...,
                  rope_sin: Optional[np.ndarray] = ..., lrf: bool = ...,
-                 kv_dtype: Any = ...) -> None: ...
+                 kv_dtype: Any = ..., raw16: bool = ...) -> None: ...
     @property
     def num_blocks(self) -> int: ...
     @property
     def dtype(self) -> np.dtype: ...
+    @property
+    def dtype_name(self) -> str: ...
     @property
     def kv_dtype(self) -> str: ...
     @property

@@ -5,9 +5,17 @@
                     free queue (least recently freed first)
     _seqtable.pxi   SequenceTable: one Seq struct per sequence, ids, grow /
                     StreamingLLM trim / copy-on-write / fork / truncate / free
-    _core.pyx       CacheCore: the facade PagedKVCache holds; it checks every
-                    argument once and calls the C kernels of include/pagedkv/
-                    (picked from their dispatch table) without the GIL
+    _lock.pxi       the cache's lock (thread model), hold()
+    _checks.pxi     argument checks: dtypes, sizes, layers, ids, arrays in and
+                    out, attention options
+    _kernels.pxi    append / attend / gather: the calls of the C kernels of
+                    include/pagedkv/ (picked from their dispatch table), made
+                    without the GIL
+    _transfer.pxi   export / import of sequences, adopt, compact, resize
+    _diag.pxi       views for the Python layer and tests, the read pattern,
+                    read bandwidth and instruction peak
+    _core.pyx       CacheCore: the facade PagedKVCache holds; each public
+                    method takes the lock and calls the functions above
 
 Policy (which sequences to evict, StreamingLLM sizes, statistics objects)
 lives in the Python layer.
@@ -18,7 +26,7 @@ import os
 import numpy as np
 
 cimport numpy as cnp
-from libc.math cimport sqrt
+from libc.math cimport isfinite, sqrt
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
@@ -146,79 +154,19 @@ cdef void *_zalloc(size_t n, void **raw) except NULL:
     return p
 
 
-cdef dict _KV_DTYPES = {"float32": PKV_F32, "float64": PKV_F64, "bfloat16": PKV_BF16,
-                        "float16": PKV_F16, "int8": PKV_I8}
-_KV_NAMES = {code: name for name, code in _KV_DTYPES.items()}
-_KV_CHOICES = "None, 'float32', 'float64', 'bfloat16', 'float16' or 'int8'"
-_DTYPE_CHOICES = "'float32', 'float64', 'bfloat16' or 'float16'"
-
-
-def _code_of(value, str what, str choices, bint arrays):
-    """The pkv_dtype code of a dtype given by name or NumPy dtype; arrays: not int8."""
-    name = value if isinstance(value, str) else None
-    if name is None:
-        try:
-            name = np.dtype(value).name
-        except TypeError:
-            raise TypeError(f"{what} must be {choices}, got {value!r}") from None
-    if name not in _KV_DTYPES or (arrays and name == "int8"):
-        raise TypeError(f"{what} must be {choices}, got {name!r}")
-    return _KV_DTYPES[name]
-
-
-def _dtype_code(dtype):
-    """Code of the arrays' dtype (float32, float64, bfloat16, float16)."""
-    return _code_of(dtype, "dtype", _DTYPE_CHOICES, True)
-
-
-def _array_dtype(int code, bint raw16):
-    """The NumPy dtype of the arrays a cache of dtype `code` takes and returns."""
-    if code == PKV_F32:
-        return np.dtype(np.float32)
-    if code == PKV_F64:
-        return np.dtype(np.float64)
-    if raw16:
-        return np.dtype(np.uint16)
-    if code == PKV_F16:
-        return np.dtype(np.float16)
-    try:
-        ml_dtypes = importlib.import_module("ml_dtypes")
-    except ImportError:
-        raise ImportError("dtype='bfloat16' takes ml_dtypes.bfloat16 arrays: install ml_dtypes "
-                          "(pip install 'pagedkv[bf16]'), or pass raw16=True for uint16 arrays "
-                          "holding bfloat16 bit patterns") from None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _kv_dtype_code(kv_dtype, int io):
-    """Storage code for kv_dtype (None: the arrays' dtype `io`)."""
-    if kv_dtype is None:
-        return io
-    code = _code_of(kv_dtype, "kv_dtype", _KV_CHOICES, False)
-    if code == PKV_F64 and io != PKV_F64:
-        raise ValueError("kv_dtype='float64' needs dtype='float64' (storage wider than the "
-                         f"arrays in and out would only waste memory); got dtype="
-                         f"{_KV_NAMES[io]!r}")
-    return code
-
-
-def _positive_int(name, value, minimum=1):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-
+include "_lock.pxi"
 include "_pool.pxi"
 include "_seqtable.pxi"
+include "_checks.pxi"
+include "_kernels.pxi"
+include "_transfer.pxi"
+include "_diag.pxi"
 
 
-def _no_token_ids():
-    raise TypeError("token_ids= is for caches made with prefix_caching=True")
-
+# ----------------------------------------------------------------------------
+# the facade: each public method takes the cache's lock (_lock.pxi) for the
+# whole call and hands the work to a function of the .pxi files above, which
+# reads the fields
 
 cdef class CacheCore:
     """Pool + sequence table behind a checked API; see PagedKVCache."""
@@ -267,13 +215,7 @@ cdef class CacheCore:
         void *partial             # split-K partial states, 2 slots per thread
         void *partial_raw
         readonly int64_t seqs_freed
-        # the cache's lock (see "Thread model" below); every field but the
-        # semaphore is read and written with the GIL held
-        unsigned long owner       # thread holding the cache, 0 when none
-        int depth                 # holds by the owner (hold() nests, calls nest in hold())
-        int waiters               # threads waiting for the cache
-        PyThread_type_lock wake   # posted when the owner lets go and someone waits
-        bint in_call              # a public call is under way on the owner thread
+        _Lock lock                # the cache's lock (_lock.pxi)
         int64_t plan[3]           # the last attention call's threads, heads/item, key chunks
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, num_layers=1,
@@ -283,10 +225,7 @@ cdef class CacheCore:
         caches whose freed blocks keep reusable contents; see _pool.pxi)."""
         if self.pool is not None:
             raise RuntimeError("the cache is already initialized")
-        self.wake = PyThread_allocate_lock()
-        if self.wake == NULL:
-            raise MemoryError("cannot allocate the cache's lock")
-        PyThread_acquire_lock(self.wake, WAIT_LOCK)  # taken: waiters block on it
+        _lock_init(&self.lock)
         nb = _positive_int("num_blocks", num_blocks)
         bs = _positive_int("block_size", block_size)
         hkv = _positive_int("num_kv_heads", num_kv_heads)
@@ -337,56 +276,15 @@ cdef class CacheCore:
         self.b_plans = <_Plan *>_zalloc(sizeof(_Plan) * ms, &self._raw[4])
         self.has_rope = rope_cos is not None
         if self.has_rope:
-            self._set_rope(rope_cos, rope_sin)
-        self._ensure_scratch(max(pkv_max_threads(), _CPUS))
+            _set_rope(self, rope_cos, rope_sin)
+        _ensure_scratch(self, max(pkv_max_threads(), _CPUS))
 
     def __dealloc__(self):
         for i in range(5):
             free(self._raw[i])
         free(self.scratch_raw)
         free(self.partial_raw)
-        if self.wake != NULL:
-            PyThread_release_lock(self.wake)
-            PyThread_free_lock(self.wake)
-
-    cdef _set_rope(self, cos, sin):
-        dt = np.float32 if self.compute == PKV_F32 else np.float64
-        cos = np.require(cos, dt, ("C_CONTIGUOUS", "ALIGNED"))
-        sin = np.require(sin, dt, ("C_CONTIGUOUS", "ALIGNED"))
-        if cos.ndim != 2 or cos.shape != sin.shape:
-            raise ValueError("rope tables must be two arrays of equal shape [max_pos, half]")
-        half = cos.shape[1]
-        if half < 1 or 2 * half > self.head_dim:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}]")
-        if cos.shape[0] < self.max_blocks_per_seq * self.block_size:
-            raise ValueError("rope tables must cover max_blocks_per_seq * block_size positions")
-        self._rope_cos = cos
-        self._rope_sin = sin
-        # keys are rotated a vector of consecutive positions at a time: [half][max_pos]
-        self._rope_cos_t = np.ascontiguousarray(cos.T)
-        self._rope_sin_t = np.ascontiguousarray(sin.T)
-        self.rope.cos = cnp.PyArray_DATA(cos)
-        self.rope.sin = cnp.PyArray_DATA(sin)
-        self.rope.cos_t = cnp.PyArray_DATA(self._rope_cos_t)
-        self.rope.sin_t = cnp.PyArray_DATA(self._rope_sin_t)
-        self.rope.max_pos = cos.shape[0]
-        self.rope.half = <int>half
-
-    cdef int _ensure_scratch(self, int threads) except -1:
-        if threads <= self.scratch_threads:
-            return 0
-        stride = pkv_scratch_bytes(self.block_size, self.head_dim, self.csize)
-        free(self.scratch_raw)
-        free(self.partial_raw)
-        self.scratch_raw = NULL
-        self.partial_raw = NULL
-        self.scratch_threads = 0
-        self.scratch = _zalloc(stride * threads, &self.scratch_raw)
-        self.partial = _zalloc(2 * threads * pkv_partial_slot_bytes(self.head_dim, self.csize),
-                               &self.partial_raw)
-        self.scratch_stride = stride
-        self.scratch_threads = threads
-        return 0
+        _lock_free(&self.lock)
 
     # ------------------------------------------------------------------
     # geometry
@@ -420,414 +318,164 @@ cdef class CacheCore:
         return self.pool.bytes_per_block
 
     # ------------------------------------------------------------------
-    # calls and ids
-
-    # Thread model.  One lock per cache serializes every call that reads or
-    # changes sequences or blocks: a second thread waits for it with the GIL
-    # released, so the first one's kernels (which run without the GIL) finish.
-    # Separate caches share nothing and run in parallel.  The lock is
-    # reentrant for the thread holding it, so the facade can hold it across
-    # several calls (hold()); a public call started from inside another on the
-    # same thread (an array's __array__ running during input conversion) raises
-    # RuntimeError instead of seeing a half-done call.
-    #
-    # The lock's state (owner, depth, waiters) is guarded by the GIL: testing
-    # and taking a free cache is two plain loads and stores, with no Python code
-    # in between, so the uncontended cost is a few nanoseconds (a pthread-backed
-    # try-acquire + release measured ~+40-100 ns per append).  Only a thread
-    # that finds the cache taken blocks, on the `wake` semaphore, without the
-    # GIL; every release with waiters posts it once, and a woken thread checks
-    # again (a post can be spurious: another thread may have taken the cache
-    # first).  This relies on the GIL: a free-threaded build would need an
-    # atomic compare-and-swap here.
-
-    cdef inline int _acquire(self) except -1:
-        cdef unsigned long me = PyThread_get_thread_ident()
-        if self.owner == 0:
-            self.owner = me
-            self.depth = 1
-            return 0
-        if self.owner == me:
-            self.depth += 1
-            return 0
-        self.waiters += 1
-        while self.owner != 0:
-            with nogil:
-                PyThread_acquire_lock(self.wake, WAIT_LOCK)
-        self.waiters -= 1
-        self.owner = me
-        self.depth = 1
-        return 0
-
-    cdef inline void _release(self) noexcept:
-        self.depth -= 1
-        if self.depth == 0:
-            self.owner = 0
-            if self.waiters:
-                PyThread_release_lock(self.wake)
-
-    cdef inline int _enter(self) except -1:
-        """Begin a public call: take the lock (waiting for another thread's call)."""
-        self._acquire()
-        if self.in_call:
-            self._release()
-            raise RuntimeError(
-                "a call on this cache was made from inside another call on it on the same "
-                "thread (e.g. from an array's __array__ during input conversion)")
-        self.in_call = True
-        return 0
-
-    cdef inline void _exit(self) noexcept:
-        self.in_call = False
-        self._release()
+    # the lock (thread model: _lock.pxi)
 
     def hold(self):
         """A context manager holding the cache's lock across several calls of
         this thread (other threads' calls wait until it is left)."""
-        return _Hold(self)
-
-    cdef inline Seq *_seq(self, object sid) except NULL:
-        """The live sequence `sid` (KeyError otherwise)."""
-        return self.seqs.lookup(sid)
-
-    cdef inline int _check_layer(self, object layer) except -1:
-        cdef long long l
-        if type(layer) is not int and (not isinstance(layer, (int, np.integer))
-                                       or isinstance(layer, (bool, np.bool_))):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        try:
-            l = PyLong_AsLongLong(layer) if type(layer) is int else int(layer)
-        except OverflowError:
-            l = -1
-        if l < 0 or l >= self.num_layers:
-            raise ValueError(f"layer {layer} out of range: the cache has {self.num_layers} layer(s)")
-        return <int>l
+        return _hold(self, &self.lock)
 
     # ------------------------------------------------------------------
     # sequences
 
     def add_sequence(self, double priority=0.0):
         """Start an empty sequence and return its id."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.seqs.new_seq(priority).sid
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def __contains__(self, sid):
         """`sid in cache`: True for a live sequence id."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            self._seq(sid)
+            self.seqs.lookup(sid)
         except (KeyError, TypeError):
             return False
         finally:
-            self._exit()
+            _call_exit(&self.lock)
         return True
 
     def sequence_ids(self):
         """Ids of the live sequences, lowest slot first."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.seqs.live_ids()
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def free(self, sid):
         """Release a sequence and every block only it held."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            self.seqs.remove(self._seq(sid))
+            self.seqs.remove(self.seqs.lookup(sid))
             self.seqs_freed += 1
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def evict_sequence(self, sid):
         """Release a sequence as an eviction (not counted as freed); returns
         (tokens, blocks held, blocks returned to the pool)."""
         cdef Seq *s
         cdef int64_t tokens, blocks, before
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
+            s = self.seqs.lookup(sid)
             tokens, blocks, before = pkv_held(&s.segs), s.nblk, self.pool.num_free
             self.seqs.remove(s)
             return tokens, blocks, self.pool.num_free - before
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def seq_len(self, sid):
         """Tokens the sequence holds now (after eviction)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return pkv_held(&self._seq(sid).segs)
+            return pkv_held(&self.seqs.lookup(sid).segs)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def num_seq_blocks(self, sid):
         """Blocks the sequence holds now."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._seq(sid).nblk
+            return self.seqs.lookup(sid).nblk
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def kept_positions(self, sid):
         """Original stream positions of the held tokens, in order (int64)."""
-        cdef Seq *s
-        cdef int64_t i, n = 0
-        cdef int64_t *p
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
-            p = <int64_t *>cnp.PyArray_DATA(out)
-            for i in range(s.segs.a0, s.segs.a1):
-                p[n] = i + s.off0
-                n += 1
-            for i in range(s.segs.b0, s.segs.b1):
-                p[n] = i + s.off1
-                n += 1
-            return out
+            return _kept_positions(self, sid)
         finally:
-            self._exit()
-
-    cdef object _table_copy(self, const Seq *s):
-        out = np.empty(s.nblk, dtype=np.int32)
-        if s.nblk:
-            memcpy(cnp.PyArray_DATA(out), s.table, 4 * s.nblk)
-        return out
+            _call_exit(&self.lock)
 
     def block_table(self, sid):
         """Physical block ids of the sequence, in order (a copy, int32)."""
-        cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._table_copy(self._seq(sid))
+            return _table_copy(self.seqs.lookup(sid))
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def sequence_infos(self):
         """(sid, last_use, use_count, tokens, blocks, priority, order) of every live
         sequence, lowest slot first: what the eviction strategies rank."""
-        cdef int64_t i
-        cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            out = []
-            for i in range(self.seqs.max_seqs):
-                s = &self.seqs.seqs[i]
-                if s.sid >= 0:
-                    out.append((s.sid, s.last_use, s.use_count, pkv_held(&s.segs), s.nblk,
-                                s.priority, s.order))
-            return out
+            return _sequence_infos(self)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def set_priority(self, sid, double priority):
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            self._seq(sid).priority = priority
+            self.seqs.lookup(sid).priority = priority
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def priority(self, sid):
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._seq(sid).priority
+            return self.seqs.lookup(sid).priority
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def fork(self, sid):
         """New sequence sharing every block of `sid` (copy-on-write)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self.seqs.fork(self._seq(sid)).sid
+            return self.seqs.fork(self.seqs.lookup(sid)).sid
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def truncate(self, sid, length):
         """Roll back to the first `length` held tokens."""
         cdef Seq *s
         cdef int64_t held
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
+            s = self.seqs.lookup(sid)
+            if not _is_int(length):
                 raise TypeError(f"length must be an int, got {type(length).__name__}")
             held = pkv_held(&s.segs)
             if length < 0 or length > held:
                 raise ValueError(f"truncate length must be in [0, {held}], got {length}")
             self.seqs.truncate(s, length)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def written_tokens(self, sid):
         """Stream positions written on every layer (the fully written prefix)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._written_tokens(sid)
+            return _written_tokens(self, sid)
         finally:
-            self._exit()
-
-    cdef object _written_tokens(self, object sid):
-        cdef Seq *s = self._seq(sid)
-        cdef int64_t w = s.written[0]
-        cdef int l
-        for l in range(1, self.num_layers):
-            w = min(w, s.written[l])
-        return w
-
-    def adopt(self, blocks, double priority=0.0):
-        """A new sequence holding `blocks` (in use, or free but still cached),
-        full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
-        Returns its id; raises and changes nothing when a block is invalid."""
-        self._enter()
-        try:
-            return self._adopt(blocks, priority)
-        finally:
-            self._exit()
-
-    cdef object _adopt(self, object blocks, object priority):
-        cdef cnp.ndarray arr = np.require(blocks, np.int32, ("C_CONTIGUOUS", "ALIGNED"))
-        cdef int64_t n = arr.shape[0] if arr.ndim == 1 else -1, i
-        cdef const int32_t *b = <const int32_t *>cnp.PyArray_DATA(arr)
-        if n < 0:
-            raise ValueError("blocks must be one-dimensional")
-        if n > self.max_blocks_per_seq:
-            raise ValueError(f"{n} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
-        for i in range(n):
-            if b[i] < 0 or b[i] >= self.pool.num_blocks or (
-                    self.pool.refcount[b[i]] == 0 and not self.pool.cached[b[i]]):
-                raise ValueError(f"block {b[i]} is neither in use nor cached")
-        return self.seqs.adopt(b, n, priority).sid
-
-    # ------------------------------------------------------------------
-    # compaction, resize, export / import
-
-    def compact(self):
-        """Move every used block to the lowest ids and rewrite the block tables.
-        Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
-        self._enter()
-        try:
-            return self._compact()
-        finally:
-            self._exit()
-
-    cdef object _compact(self):
-        moved_to = np.empty(self.pool.num_blocks, dtype=np.int32)
-        cdef int32_t *m = <int32_t *>cnp.PyArray_DATA(moved_to)
-        moves = self.pool.compact(m)
-        self.seqs.renumber(m)
-        return moves, moved_to
-
-    def resize(self, num_blocks):
-        """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
-        free: compact() first).  max_blocks_per_seq does not change."""
-        self._enter()
-        try:
-            return self._resize(num_blocks)
-        finally:
-            self._exit()
-
-    cdef object _resize(self, object num_blocks):
-        n = _positive_int("num_blocks", num_blocks)
-        if n > 2**31 - 1:
-            raise ValueError(f"num_blocks must be < 2**31, got {n}")
-        hi = self.pool.highest_used()
-        if n <= hi:
-            raise ValueError(
-                f"cannot shrink the pool to {n} blocks: block {hi} is in use "
-                f"({self.pool.num_blocks - self.pool.num_free} blocks used); call compact() first")
-        if n * self.pool.geom.block_bytes > 2**56:
-            raise MemoryError(f"the pool would need {n * self.pool.geom.block_bytes} bytes")
-        if n != self.pool.num_blocks:
-            self.pool.resize(n)
-
-    def export_seq(self, sid):
-        """(meta, blocks) of a sequence: its segments and offsets, and its
-        blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
-        self._enter()
-        try:
-            return self._export_seq(sid)
-        finally:
-            self._exit()
-
-    cdef object _export_seq(self, object sid):
-        cdef Seq *s = self._seq(sid)
-        cdef int64_t total = s.segs.b1 + s.off1, i
-        cdef int l
-        cdef size_t bb = self.pool.geom.block_bytes
-        for l in range(self.num_layers):
-            if s.written[l] != total:
-                raise ValueError(
-                    f"cannot export sequence {sid} in the middle of a step: layer {l} lacks "
-                    "its newest tokens (append them on every layer first)")
-        data = np.empty((s.nblk, bb), dtype=np.uint8)
-        cdef char *d = <char *>cnp.PyArray_DATA(data)
-        for i in range(s.nblk):
-            memcpy(d + i * bb, self.pool.block_ptr(s.table[i]), bb)
-        meta = dict(nblk=s.nblk, a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1,
-                    off0=s.off0, off1=s.off1, priority=s.priority)
-        return meta, data
-
-    def import_seq(self, meta, data):
-        """A new sequence from export_seq's (meta, blocks); checks everything
-        first and changes nothing when it raises."""
-        self._enter()
-        try:
-            return self._import_seq(meta, data)
-        finally:
-            self._exit()
-
-    cdef object _import_seq(self, object meta, object data):
-        cdef size_t bb = self.pool.geom.block_bytes
-        cdef int64_t bs = self.block_size, i
-        try:
-            nblk, a0, a1, b0, b1, off0, off1 = (int(meta[k]) for k in (
-                "nblk", "a0", "a1", "b0", "b1", "off0", "off1"))
-            priority = float(meta.get("priority", 0.0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
-        # kept positions (slot + offset of its segment) must increase: the sinks before the window
-        if not (0 <= a0 <= a1 <= b0 <= b1 and 0 <= nblk and _cdiv(b1, bs) == nblk
-                and 0 <= off0 < 2**62 and 0 <= off1 < 2**62
-                and (a0 == a1 or a1 + off0 <= b0 + off1)):
-            raise ValueError(
-                f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}) at "
-                f"offsets {off0}, {off1}, {nblk} blocks of {bs} tokens")
-        if nblk > self.max_blocks_per_seq:
-            raise ValueError(
-                f"the sequence holds {nblk} blocks; max_blocks_per_seq is {self.max_blocks_per_seq}")
-        cdef cnp.ndarray arr = np.ascontiguousarray(data, dtype=np.uint8)
-        if arr.size != nblk * bb:
-            raise ValueError(f"expected {nblk * bb} bytes of blocks, got {arr.size}")
-        if self.seqs.n_slots_free == 0:
-            raise RuntimeError(f"all {self.max_seqs} sequence slots are in use (max_seqs)")
-        self.seqs.check_free(nblk, 0)
-        cdef Seq *s = self.seqs.new_seq(priority)
-        cdef const char *d = <const char *>cnp.PyArray_DATA(arr)
-        for i in range(nblk):
-            s.table[i] = self.pool.take()
-            memcpy(self.pool.block_ptr(s.table[i]), d + i * bb, bb)
-        s.nblk = nblk
-        s.segs.a0, s.segs.a1, s.segs.b0, s.segs.b1 = a0, a1, b0, b1
-        s.off0, s.off1 = off0, off1
-        for i in range(self.num_layers):
-            s.written[i] = b1 + off1
-        return s.sid
+            _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
     # StreamingLLM
 
     def set_streaming(self, int64_t sink_tokens, int64_t window_tokens):
         """Per-append trimming on (sink, window >= 0) or off (-1, -1)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             self.sink_tokens = sink_tokens
             self.window_tokens = window_tokens
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     def trim(self, sid, int64_t sink_tokens, int64_t window_tokens):
         """Evict `sid` now to its first sink_tokens + last window_tokens held tokens
@@ -835,17 +483,13 @@ cdef class CacheCore:
         blocks returned to the pool)."""
         cdef Seq *s
         cdef _Plan p
-        cdef int64_t before, total, l
-        self._enter()
+        cdef int64_t before
+        _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            before, total = self.pool.num_free, s.segs.b1 + s.off1
-            for l in range(self.num_layers):
-                # a pending layer append writes the newest step_n slots: they must not move
-                if s.written[l] != total:
-                    raise ValueError(
-                        f"cannot trim sequence {sid} in the middle of a step: layer {l} lacks "
-                        "its newest tokens (append them on every layer first)")
+            s = self.seqs.lookup(sid)
+            before = self.pool.num_free
+            # a pending layer append writes the newest step_n slots: they must not move
+            _check_step_done(s, sid, self.num_layers, "trim")
             _plan_init(&p, s)
             self.seqs.plan_trim(s, sink_tokens, window_tokens, &p)
             self.seqs.apply_drop(s, &p, _TRIM_ONE_SHOT)
@@ -855,430 +499,108 @@ cdef class CacheCore:
                 s.step_n = 0
             return p.evicted_tokens, self.pool.num_free - before
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
-    # input checks
+    # blocks in and out (_transfer.pxi)
 
-    cdef object _input(self, object a, str name, int64_t d0, int d1, int d2, str d0name,
-                       bint convert=True):
-        """Return `a` as a C-contiguous array of the cache dtype and shape (d0, d1, d2).
+    def adopt(self, blocks, double priority=0.0):
+        """A new sequence holding `blocks` (in use, or free but still cached),
+        full and written on every layer: a prefix-cache hit (pagedkv/prefix.py).
+        Returns its id; raises and changes nothing when a block is invalid."""
+        _call_enter(&self.lock)
+        try:
+            return _adopt(self, blocks, priority)
+        finally:
+            _call_exit(&self.lock)
 
-        d0 < 0 accepts any leading size >= 1.  Other float dtypes are
-        converted, non-contiguous arrays copied; anything else raises.  With
-        convert=False the checked array is returned as it is (_contiguous
-        converts it once the call is known to proceed: a leading size no
-        sequence can hold must not be copied first).
-        """
-        cdef cnp.ndarray arr
-        cdef cnp.npy_intp *dims
-        if cnp.PyArray_Check(a):
-            arr = <cnp.ndarray>a
-            if (cnp.PyArray_TYPE(arr) == self.typenum and cnp.PyArray_NDIM(arr) == 3
-                    and cnp.PyArray_ISCARRAY_RO(arr)):
-                dims = cnp.PyArray_DIMS(arr)
-                if ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1))
-                        and dims[1] == d1 and dims[2] == d2):
-                    return a
-        else:
-            try:
-                a = np.asarray(a)
-            except Exception as e:
-                raise TypeError(f"{name} must be a float array, got {type(a).__name__}") from e
-            arr = <cnp.ndarray>a
-        self._check_kind(arr, name)
-        want = f"[{d0name}, {d1}, {d2}]" if d0 < 0 else f"[{d0name}={d0}, {d1}, {d2}]"
-        if arr.ndim != 3:
-            raise ValueError(f"{name} must have shape {want}, got {np.ndim(arr)}-d shape {np.shape(arr)}")
-        dims = cnp.PyArray_DIMS(arr)
-        if not ((dims[0] == d0 or (d0 < 0 and dims[0] >= 1)) and dims[1] == d1 and dims[2] == d2):
-            raise ValueError(f"{name} must have shape {want}, got {np.shape(arr)}")
-        return self._contiguous(arr) if convert else arr
+    def compact(self):
+        """Move every used block to the lowest ids and rewrite the block tables.
+        Returns (blocks moved, moved_to) where moved_to[b] is b's new id."""
+        _call_enter(&self.lock)
+        try:
+            return _compact(self)
+        finally:
+            _call_exit(&self.lock)
 
-    cdef int _check_kind(self, object arr, str name) except -1:
-        """Raise unless arr's dtype converts to the cache's arrays' dtype."""
-        dt = arr.dtype
-        if dt == self.np_dtype:
-            return 0
-        if self.raw16:
-            raise TypeError(f"{name} must be a uint16 array of {self.dtype_name} bit patterns "
-                            f"(the cache was made with raw16=True), got dtype {dt}")
-        if dt.kind != "f" and not (self.io == PKV_BF16 and dt.name == "bfloat16"):
-            raise TypeError(f"{name} must be a float array (float16/32/64), got dtype {dt}")
-        return 0
+    def resize(self, num_blocks):
+        """Grow or shrink the pool to num_blocks (every block >= num_blocks must be
+        free: compact() first).  max_blocks_per_seq does not change."""
+        _call_enter(&self.lock)
+        try:
+            return _resize(self, num_blocks)
+        finally:
+            _call_exit(&self.lock)
 
-    cdef inline object _contiguous(self, object a):
-        """A checked input array as a C-contiguous array of the cache dtype."""
-        if (cnp.PyArray_TYPE(<cnp.ndarray>a) == self.typenum
-                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a)):
-            return a
-        # ALIGNED too: np.ascontiguousarray passes an unaligned C-contiguous
-        # array through (e.g. from a byte buffer at an odd offset), and the C
-        # code loads whole floats
-        return np.require(a, self.np_dtype, ("C_CONTIGUOUS", "ALIGNED"))
+    def export_seq(self, sid):
+        """(meta, blocks) of a sequence: its segments and offsets, and its
+        blocks' raw bytes in table order (uint8 [nblk, bytes_per_block])."""
+        _call_enter(&self.lock)
+        try:
+            return _export_seq(self, sid)
+        finally:
+            _call_exit(&self.lock)
 
-    cdef object _output(self, object out, int64_t n, int hq):
-        cdef cnp.ndarray arr
-        if out is None:
-            return cnp.PyArray_EMPTY(3, [n, hq, self.head_dim], self.typenum, 0)
-        if not cnp.PyArray_Check(out):
-            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        arr = <cnp.ndarray>out
-        if cnp.PyArray_TYPE(arr) != self.typenum:
-            raise TypeError(f"out must have dtype {self.dtype}, got {arr.dtype}")
-        if (cnp.PyArray_NDIM(arr) != 3 or cnp.PyArray_DIMS(arr)[0] != n
-                or cnp.PyArray_DIMS(arr)[1] != hq or cnp.PyArray_DIMS(arr)[2] != self.head_dim):
-            raise ValueError(f"out must have shape [{n}, {hq}, {self.head_dim}], got {np.shape(arr)}")
-        if not cnp.PyArray_ISCARRAY(arr):
-            raise ValueError("out must be C-contiguous, aligned and writable")
-        return out
-
-    cdef object _query(self, object q, int64_t d0, str d0name, int *hq_out, bint convert=True):
-        """q as a C-contiguous [d0, Hq, D] array of the cache dtype; Hq into hq_out
-        (convert=False: checked, not converted; see _input)."""
-        cdef int hq
-        if not cnp.PyArray_Check(q):
-            try:
-                q = np.asarray(q)
-            except Exception as e:
-                raise TypeError(f"q must be a float array, got {type(q).__name__}") from e
-        if cnp.PyArray_TYPE(q) != self.typenum:
-            self._check_kind(q, "q")
-        if cnp.PyArray_NDIM(q) != 3:
-            raise ValueError(
-                f"q must have shape [{d0name}, Hq, {self.head_dim}], got shape {np.shape(q)}")
-        hq = <int>cnp.PyArray_DIMS(q)[1]
-        if hq < 1 or hq % self.num_kv_heads != 0:
-            raise ValueError(
-                f"q has {hq} heads; the number of query heads must be a positive "
-                f"multiple of num_kv_heads={self.num_kv_heads}")
-        hq_out[0] = hq
-        return self._input(q, "q", d0, hq, self.head_dim, d0name, convert)
+    def import_seq(self, meta, data):
+        """A new sequence from export_seq's (meta, blocks); checks everything
+        first and changes nothing when it raises."""
+        _call_enter(&self.lock)
+        try:
+            return _import_seq(self, meta, data)
+        finally:
+            _call_exit(&self.lock)
 
     # ------------------------------------------------------------------
-    # append
-
-    cdef inline void _write(self, Seq *s, int layer, int64_t slot0, int64_t n,
-                            const char *k, const char *v) noexcept:
-        pkv_write_tokens(&self.pool.geom, self.pool.arena, s.table, layer, slot0, n, k, v,
-                         self.io)
-        s.written[layer] = s.segs.b1 + s.off1
-
-    cdef int _check_layer_append(self, const Seq *s, int layer, int64_t n) except -1:
-        cdef int64_t total = s.segs.b1 + s.off1
-        if n != s.step_n:
-            if s.step_n == 0:
-                raise ValueError(
-                    f"append on layer {layer} before any layer-0 append of this step: "
-                    "append layer 0 first")
-            raise ValueError(
-                f"append on layer {layer} must carry the n={s.step_n} tokens of the "
-                f"newest layer-0 append, got n={n}")
-        if n > s.segs.b1 - s.segs.b0:  # (trim resets step_n when it cuts into the step)
-            raise ValueError(
-                f"append on layer {layer}: the newest layer-0 step (n={n}) is no longer held "
-                "in full: append a new step on layer 0")
-        if s.written[layer] < total - n:
-            raise ValueError(
-                f"layer {layer} missed an earlier step of this sequence: it is written up to "
-                f"position {s.written[layer]}, the step starts at {total - n}")
-        return 0
+    # the kernels (_kernels.pxi)
 
     def append(self, sid, k, v, layer=0, token_ids=None):
         """Append n tokens' keys and values, each [n, Hkv, D]; see PagedKVCache."""
         if token_ids is not None:
             _no_token_ids()
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._append(sid, k, v, layer)
+            return _append(self, sid, k, v, layer)
         finally:
-            self._exit()
-
-    cdef object _append(self, object sid, object k, object v, object layer):
-        cdef Seq *s = self._seq(sid)
-        cdef int l = self._check_layer(layer)
-        # shapes, then the plan's checks, then the conversions (which may copy): an n that
-        # cannot fit raises before a huge (e.g. broadcast) k or v is copied
-        k = self._input(k, "k", -1, self.num_kv_heads, self.head_dim, "n", False)
-        cdef int64_t n = cnp.PyArray_DIMS(k)[0]
-        v = self._input(v, "v", n, self.num_kv_heads, self.head_dim, "n", False)
-        cdef _Plan p
-        if l == 0:
-            self.seqs.plan_grow(s, n, self.sink_tokens, self.window_tokens, &p)
-            self.seqs.check_seq_bound(&p)
-            self.seqs.check_free(p.new_blocks + p.cow, p.freed)
-        else:
-            self._check_layer_append(s, l, n)
-            self.seqs.check_free(self.seqs.shared_in(s, s.segs.b1 - n, s.segs.b1), 0)
-        k = self._contiguous(k)
-        v = self._contiguous(v)
-        if l == 0:
-            self.seqs.apply_grow(s, &p, n)
-            s.step_n = n
-        else:
-            self.seqs.make_private(s, s.segs.b1 - n, s.segs.b1)
-        self._write(s, l, s.segs.b1 - n, n,
-                    <const char *>cnp.PyArray_DATA(k), <const char *>cnp.PyArray_DATA(v))
-        self.seqs.touch(s)
-
-    cdef int64_t _batch_len(self, object sids) except -1:
-        """B = len(sids), checked: 1 <= B <= max_seqs."""
-        cdef int64_t B
-        try:
-            B = len(sids)
-        except TypeError:
-            raise TypeError(f"sids must be a sequence of ints, got {type(sids).__name__}") from None
-        if B < 1:
-            raise ValueError("sids must name at least one sequence")
-        if B > self.max_seqs:
-            raise ValueError(f"{B} sequence ids given; the cache holds at most {self.max_seqs}")
-        return B
-
-    cdef int64_t _batch_seqs(self, object sids) except -1:
-        """Fill b_seqs from a sequence of distinct ids; return B."""
-        cdef int64_t B = self._batch_len(sids), i, slot
-        cdef Seq *s
-        self.mark += 1
-        for i in range(B):
-            s = self._seq(sids[i])
-            slot = self.seqs.slot_of(s)
-            if self.b_mark[slot] == self.mark:
-                raise ValueError(f"sequence id {sids[i]!r} appears twice in sids")
-            self.b_mark[slot] = self.mark
-            self.b_seqs[i] = s
-        return B
+            _call_exit(&self.lock)
 
     def append_batch(self, sids, k, v, layer=0, token_ids=None):
         """Append one token to each of B distinct sequences: k, v [B, Hkv, D]."""
         if token_ids is not None:
             _no_token_ids()
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._append_batch(sids, k, v, layer)
+            return _append_batch(self, sids, k, v, layer)
         finally:
-            self._exit()
-
-    cdef object _append_batch(self, object sids, object k, object v, object layer):
-        cdef int l = self._check_layer(layer)
-        cdef int64_t B = self._batch_seqs(sids)
-        cdef int64_t i, needed = 0, freed = 0
-        cdef Seq *s
-        cdef _Plan *p
-        k = self._input(k, "k", B, self.num_kv_heads, self.head_dim, "B")
-        v = self._input(v, "v", B, self.num_kv_heads, self.head_dim, "B")
-        cdef const char *kp = <const char *>cnp.PyArray_DATA(k)
-        cdef const char *vp = <const char *>cnp.PyArray_DATA(v)
-        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
-        if l == 0:
-            for i in range(B):
-                p = &self.b_plans[i]
-                self.seqs.plan_grow(self.b_seqs[i], 1, self.sink_tokens, self.window_tokens, p)
-                self.seqs.check_seq_bound(p)
-                needed += p.new_blocks + p.cow
-                freed += p.freed
-            self.seqs.check_free(needed, freed)
-            # every trim first: the check counted the blocks all of them give back, and a
-            # sequence early in the batch may need blocks a later one's trim frees (taking them
-            # before that trim would find the free queue empty)
-            for i in range(B):
-                self.seqs.apply_drop(self.b_seqs[i], &self.b_plans[i], _TRIM_STREAMING)
-            for i in range(B):
-                self.seqs.apply_add(self.b_seqs[i], &self.b_plans[i], 1)
-                self.b_seqs[i].step_n = 1
-        else:
-            for i in range(B):
-                s = self.b_seqs[i]
-                self._check_layer_append(s, l, 1)
-                needed += self.seqs.shared_in(s, s.segs.b1 - 1, s.segs.b1)
-            self.seqs.check_free(needed, 0)
-            for i in range(B):
-                s = self.b_seqs[i]
-                self.seqs.make_private(s, s.segs.b1 - 1, s.segs.b1)
-        for i in range(B):
-            s = self.b_seqs[i]
-            self._write(s, l, s.segs.b1 - 1, 1, kp + i * tok, vp + i * tok)
-            self.seqs.touch(s)
-
-    # ------------------------------------------------------------------
-    # attention
-
-    cdef int _check_attendable(self, const Seq *s, int layer, int64_t n) except -1:
-        cdef int64_t held = pkv_held(&s.segs)
-        if held == 0:
-            raise ValueError(f"sequence {s.sid} is empty: append before attend")
-        if n > held:
-            raise ValueError(f"{n} queries but the sequence holds only {held} tokens")
-        if s.written[layer] != s.segs.b1 + s.off1:
-            raise RuntimeError(
-                f"layer {layer} of sequence {s.sid} lacks its newest tokens: "
-                f"append them on layer {layer} before attend")
-        if pkv_check_seq(s.table, s.nblk, &s.segs, self.block_size, self.pool.num_blocks) != 0:
-            raise RuntimeError("internal error: inconsistent sequence metadata")
-        return 0
-
-    cdef int _fill_args(self, pkv_attn_args *a, int layer, int hq, double scale,
-                        object q, object out) except -1:
-        a.nthreads = _nthreads if _nthreads > 0 else pkv_max_threads()
-        self._ensure_scratch(a.nthreads)
-        a.k = self.pool.plane(layer)
-        a.v = self.pool.plane(layer) + self.pool.geom.plane_bytes
-        a.block_stride = self.pool.geom.block_bytes
-        a.scale_offset = self.pool.geom.scale_offset
-        a.bs = self.block_size
-        a.hkv = self.num_kv_heads
-        a.hq = hq
-        a.d = self.head_dim
-        a.tables = self.b_tables
-        a.segs = self.b_segs
-        a.q = cnp.PyArray_DATA(q)
-        a.out = cnp.PyArray_DATA(out)
-        a.qo16 = self.io if self.io != self.compute else 0
-        a.scale = scale
-        a.rope = &self.rope if self.has_rope else NULL
-        a.scratch = self.scratch
-        a.scratch_stride = self.scratch_stride
-        a.partial = self.partial
-        a.partial_slots = 2 * self.scratch_threads
-        a.plan_out = self.plan
-        a.window = 0
-        a.softcap = 0.0
-        a.sinks = NULL
-        return 0
-
-    cdef int _set_options(self, pkv_attn_args *a, object opts) except -1:
-        """window / softcap / sinks from _options() (checked there)."""
-        cdef cnp.ndarray sinks
-        if opts is None:
-            return 0
-        window, softcap, sinks = opts
-        a.window = window
-        a.softcap = softcap
-        if sinks is not None:
-            a.sinks = <const double *>cnp.PyArray_DATA(sinks)
-        return 0
-
-    cdef double _scale(self, object scale) except? -1:
-        if scale is None:
-            return 1.0 / sqrt(<double>self.head_dim)
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(
-                scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be None or a number, got {type(scale).__name__}")
-        try:
-            s = float(scale)
-        except OverflowError:  # an int beyond the float range
-            s = float("inf")
-        if not np.isfinite(s):
-            raise ValueError(f"scale must be finite, got {scale}")
-        return s
-
-    cdef object _options(self, object window, object softcap, object sinks, int hq):
-        """(window, softcap, sinks as float64 [hq]) checked, or None when all are off."""
-        if window is None and softcap is None and sinks is None:
-            return None
-        cdef int64_t w = 0
-        cdef double c = 0.0
-        if window is not None:
-            if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
-                raise TypeError(f"window must be None or an int >= 1, got "
-                                f"{type(window).__name__}")
-            if not 1 <= window < 2**62:
-                raise ValueError(f"window must be None or an int >= 1, got {window}")
-            w = window
-        if softcap is not None:
-            if isinstance(softcap, (bool, np.bool_)) or not isinstance(
-                    softcap, (int, float, np.integer, np.floating)):
-                raise TypeError(f"softcap must be None or a number > 0, got "
-                                f"{type(softcap).__name__}")
-            try:
-                c = float(softcap)
-            except OverflowError:  # an int beyond the float range
-                c = float("inf")
-            if not (c > 0 and c < float("inf")):
-                raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-        if sinks is not None:
-            if not isinstance(sinks, np.ndarray):
-                raise TypeError(f"sinks must be None or a float32/float64 NumPy array of shape "
-                                f"[{hq}] (one logit per query head), got {type(sinks).__name__}")
-            if sinks.dtype not in (np.float32, np.float64):
-                raise TypeError(f"sinks must be float32 or float64, got {sinks.dtype}")
-            if sinks.shape != (hq,):
-                raise ValueError(f"sinks must have shape ({hq},) (one logit per query head), "
-                                 f"got {sinks.shape}")
-            sinks = np.ascontiguousarray(sinks, dtype=np.float64)
-            if not np.isfinite(sinks).all():
-                raise ValueError("sinks must be finite")
-        return (w, c, sinks)
+            _call_exit(&self.lock)
 
     def attend(self, sid, q, layer=0, scale=None, out=None, window=None, softcap=None,
                sinks=None):
         """Causal attention of the newest n tokens' queries q [n, Hq, D]."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._attend(sid, q, layer, scale, out, window, softcap, sinks)
+            return _attend(self, sid, q, layer, scale, out, window, softcap, sinks)
         finally:
-            self._exit()
-
-    cdef object _attend(self, object sid, object q, object layer, object scale, object out,
-                        object window, object softcap, object sinks):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = self._check_layer(layer)
-        cdef int hq
-        q = self._query(q, -1, "n", &hq, False)  # converted once n is known to be attendable
-        cdef int64_t n = cnp.PyArray_DIMS(q)[0]
-        cdef double sc = self._scale(scale)
-        opts = self._options(window, softcap, sinks, hq)
-        self._check_attendable(s, l, n)
-        q = self._contiguous(q)
-        out = self._output(out, n, hq)
-        cdef pkv_attn_args a
-        self._fill_args(&a, l, hq, sc, q, out)
-        self._set_options(&a, opts)
-        self.b_tables[0] = s.table
-        self.b_segs[0] = s.segs
-        a.nseq = 1
-        a.nq = n
-        cdef pkv_attn_fn fn = self.kernels.decode if n == 1 else self.kernels.prefill
-        with nogil:
-            fn(&a)
-        self.seqs.touch(s)
-        return out
+            _call_exit(&self.lock)
 
     def attend_batch(self, sids, q, layer=0, scale=None, out=None, window=None, softcap=None,
                      sinks=None):
         """One query per sequence at its newest token: q [B, Hq, D] -> [B, Hq, D]."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._attend_batch(sids, q, layer, scale, out, window, softcap, sinks)
+            return _attend_batch(self, sids, q, layer, scale, out, window, softcap, sinks)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
-    cdef object _attend_batch(self, object sids, object q, object layer, object scale,
-                              object out, object window, object softcap, object sinks):
-        cdef int l = self._check_layer(layer)
-        cdef int64_t B, i
-        cdef int hq
-        cdef Seq *s
-        B = self._batch_len(sids)
-        q = self._query(q, B, "B", &hq)
-        cdef double sc = self._scale(scale)
-        opts = self._options(window, softcap, sinks, hq)
-        for i in range(B):
-            s = self.seqs.lookup(sids[i])
-            self._check_attendable(s, l, 1)
-            self.b_seqs[i] = s
-            self.b_tables[i] = s.table
-            self.b_segs[i] = s.segs
-        out = self._output(out, B, hq)
-        cdef pkv_attn_args a
-        self._fill_args(&a, l, hq, sc, q, out)
-        self._set_options(&a, opts)
-        a.nseq = B
-        a.nq = 1
-        with nogil:
-            self.kernels.decode(&a)
-        for i in range(B):
-            self.seqs.touch(self.b_seqs[i])
-        return out
+    def gather(self, sid, layer=0):
+        """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
+        _call_enter(&self.lock)
+        try:
+            return _gather(self, sid, layer)
+        finally:
+            _call_exit(&self.lock)
+
+    # ------------------------------------------------------------------
+    # introspection (_diag.pxi)
 
     def read_kv_pattern(self, sids, layer=0):
         """Read the K and V bytes attend_batch(sids) reads, in its block pattern,
@@ -1287,72 +609,19 @@ cdef class CacheCore:
         (include/pagedkv/kvread.h).  Threads as attend_batch.  Returns
         (bytes read, XOR of all bytes read): the decode read ceiling the
         benchmark measures over the same pool and block tables."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            return self._read_kv_pattern(sids, layer)
+            return _read_kv_pattern(self, sids, layer)
         finally:
-            self._exit()
-
-    cdef object _read_kv_pattern(self, object sids, object layer):
-        cdef int l = self._check_layer(layer)
-        cdef int64_t B = self._batch_len(sids), i
-        cdef Seq *s
-        for i in range(B):
-            s = self.seqs.lookup(sids[i])
-            self._check_attendable(s, l, 1)
-            self.b_tables[i] = s.table
-            self.b_segs[i] = s.segs
-        cdef int nt = _nthreads if _nthreads > 0 else pkv_max_threads()
-        cdef const char *k = self.pool.plane(l)
-        cdef size_t plane = self.pool.geom.plane_bytes, nbytes = 0
-        cdef uint64_t x
-        with nogil:
-            x = pkv_read_pattern(k, k + plane, plane, self.pool.geom.block_bytes,
-                                 self.block_size, B, <const int32_t *const *>self.b_tables,
-                                 self.b_segs, _simd, nt, &nbytes)
-        x ^= x >> 32
-        x ^= x >> 16
-        x ^= x >> 8
-        return int(nbytes), int(x & 0xFF)
-
-    # ------------------------------------------------------------------
-    # gather
-
-    def gather(self, sid, layer=0):
-        """Contiguous copies (k, v), each [seq_len, Hkv, D], of the held tokens."""
-        self._enter()
-        try:
-            return self._gather(sid, layer)
-        finally:
-            self._exit()
-
-    cdef object _gather(self, object sid, object layer):
-        cdef Seq *s = self.seqs.lookup(sid)
-        cdef int l = self._check_layer(layer)
-        cdef pkv_segs g = s.segs
-        cdef int64_t held = pkv_held(&g), n0 = g.a1 - g.a0
-        cdef size_t tok = self.num_kv_heads * self.head_dim * self.itemsize
-        k = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
-        v = cnp.PyArray_EMPTY(3, [held, self.num_kv_heads, self.head_dim], self.typenum, 0)
-        cdef char *kp = <char *>cnp.PyArray_DATA(k)
-        cdef char *vp = <char *>cnp.PyArray_DATA(v)
-        with nogil:
-            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.a0, g.a1, kp, vp,
-                            self.io)
-            pkv_read_tokens(&self.pool.geom, self.pool.arena, s.table, l, g.b0, g.b1,
-                            kp + n0 * tok, vp + n0 * tok, self.io)
-        return k, v
-
-    # ------------------------------------------------------------------
-    # introspection
+            _call_exit(&self.lock)
 
     def ref_count(self, block):
         """References to a physical block (0: free)."""
-        self._enter()
+        _call_enter(&self.lock)
         try:
             return self.pool.ref_count(block)
         finally:
-            self._exit()
+            _call_exit(&self.lock)
 
     @property
     def last_attention_plan(self):
@@ -1362,158 +631,8 @@ cdef class CacheCore:
 
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""
-        cdef Seq *s
-        self._enter()
+        _call_enter(&self.lock)
         try:
-            s = self._seq(sid)
-            return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
-                        off1=s.off1, table=self._table_copy(s).tolist())
+            return _debug_state(self, sid)
         finally:
-            self._exit()
-
-cdef class _Hold:
-    """`with core.hold():` -- see CacheCore.hold."""
-    cdef CacheCore core
-
-    def __cinit__(self, CacheCore core):
-        self.core = core
-
-    def __enter__(self):
-        self.core._acquire()
-        return self.core
-
-    def __exit__(self, *exc):
-        self.core._release()
-        return False
-
-
-def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
-    """Measure memory read bandwidth (bytes/s, best of `repeats`) with the core's
-    SIMD read kernel over a buffer of `nbytes` (should be well above the L3 size)."""
-    import time
-    cdef int nt = get_num_threads() if threads is None else int(threads)
-    if nt < 1:
-        raise ValueError(f"threads must be >= 1, got {nt}")
-    buf = np.ones(max(int(nbytes) // 4, 1024), dtype=np.float32)
-    cdef const void *p = cnp.PyArray_DATA(buf)
-    cdef size_t n = buf.size
-    cdef double s
-    best = 0.0
-    with nogil:
-        s = pkv_read_sum(p, n, PKV_F32, _simd, nt)  # warm: pages resident, threads up
-    for _ in range(int(repeats)):
-        t0 = time.perf_counter()
-        with nogil:
-            s = pkv_read_sum(p, n, PKV_F32, _simd, nt)
-        dt = time.perf_counter() - t0
-        if s != <double>n:
-            raise RuntimeError("read kernel returned a wrong sum")
-        best = max(best, n * 4 / dt)
-    return best
-
-
-# ----------------------------------------------------------------------------
-# instruction peak (include/pagedkv/peak.h)
-
-_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64}
-
-
-def _peak_args(kind, simd, threads):
-    """(kind index, SIMD index, threads) of a peak probe, checked."""
-    if not isinstance(kind, str) or kind not in _PEAK_KINDS:
-        raise ValueError(f"unknown instruction kind {kind!r}; expected one of "
-                         f"{', '.join(_PEAK_KINDS)}")
-    cdef int k = _PEAK_KINDS[kind]
-    cdef int s = _simd
-    if simd is not None:
-        if not isinstance(simd, str) or simd not in _SIMD_NAMES:
-            raise ValueError(f"unknown SIMD path {simd!r}; expected one of "
-                             f"{', '.join(_SIMD_NAMES)}")
-        s = _SIMD_NAMES.index(simd)
-        if not pkv_simd_supported(s):
-            raise ValueError(f"SIMD path {simd!r} does not run on this machine (it runs "
-                             f"{', '.join(simd_supported())})")
-    if pkv_peak_width(k, s) == 0:
-        raise ValueError(f"no {kind} probe for SIMD path {_SIMD_NAMES[s]!r} in this build")
-    nt = int(threads)
-    if nt < 1:
-        raise ValueError(f"threads must be >= 1, got {nt}")
-    return k, s, nt
-
-
-def _fma_probe(kind="fma_f32", simd=None, iters=1, threads=1, a=0.5, b=1.0):
-    """Run the peak loop once, `iters` rounds on each of `threads` threads:
-    (lanes done, sum of every final lane).  Lane k of a thread's chains
-    starts at k, and each round turns its value c into c * a + b (for the
-    tests)."""
-    cdef int k, s, nt
-    k, s, nt = _peak_args(kind, simd, threads)
-    cdef int64_t n = int(iters)
-    if n < 0:
-        raise ValueError(f"iters must be >= 0, got {n}")
-    cdef double fa = float(a), fb = float(b), total = 0.0
-    cdef uint64_t lanes
-    with nogil:
-        lanes = pkv_peak_run(k, s, n, nt, fa, fb, &total)
-    return int(lanes), float(total)
-
-
-def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats=20):
-    """Measured peak rate of an instruction on this machine, in lanes per second.
-
-    kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
-    are built on (one multiply-add of one lane counts 1).  simd: the path
-    ("scalar", "avx2", "avx512", "neon"; None: the active one,
-    simd_backend()).  threads: threads running the loop at once (OpenMP;
-    a build without it runs their loops one after another, so the rate is
-    one thread's); the rate is the lanes of all of them / wall time.  The loop
-    (include/pagedkv/peak.h: 12 independent FMA chains over SIMD registers)
-    is timed for about `seconds` in all, as `repeats` runs of equal length
-    after a calibration that also warms up; the best run counts (short runs
-    are less likely to lose the CPU to another process on a shared machine).
-    Raises ValueError for an unknown kind or path, a path this machine does
-    not run, threads < 1, seconds <= 0 or repeats < 1."""
-    import math
-    import time
-    cdef int k, s, nt
-    k, s, nt = _peak_args(kind, simd, threads)
-    secs = float(seconds)
-    if not (secs > 0 and math.isfinite(secs)):
-        raise ValueError(f"seconds must be > 0, got {seconds!r}")
-    nrep = int(repeats)
-    if nrep < 1:
-        raise ValueError(f"repeats must be >= 1, got {nrep}")
-    run_s = secs / nrep
-    cdef uint64_t per_round = <uint64_t>nt * PKV_PEAK_CHAINS * pkv_peak_width(k, s)
-    cdef int64_t iters = 256
-    rate = 0.0  # best rounds per second seen
-    # calibration, which also warms up (thread pool started, clocks up): at
-    # least 3 runs, until one lasts half a timed run
-    for cal in range(64):
-        dt = _peak_once(k, s, iters, nt, per_round)
-        rate = max(rate, iters / dt)
-        if cal >= 2 and dt >= 0.5 * run_s:
-            break
-        iters = max(iters, min(64 * iters, <int64_t>(rate * run_s) + 1))
-    iters = max(256, <int64_t>(rate * run_s))
-    best = 0.0
-    for _ in range(nrep):
-        best = max(best, iters * per_round / _peak_once(k, s, iters, nt, per_round))
-    return best
-
-
-cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) except -1:
-    """Seconds one run of the probe took; checks the lanes it counted and its
-    checksum: with a = 0.5, b = 1 every lane ends at exactly 2 after >= 256
-    rounds (2^-256 times any start is below half an ulp of 2)."""
-    import time
-    cdef uint64_t lanes
-    cdef double total = 0.0
-    t0 = time.perf_counter()
-    with nogil:
-        lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
-    dt = time.perf_counter() - t0
-    if total != 2.0 * per_round or lanes != <uint64_t>iters * per_round:
-        raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
-                           f"{iters * per_round} lanes with checksum {2.0 * per_round}")
-    return max(dt, 1e-9)
+            _call_exit(&self.lock)

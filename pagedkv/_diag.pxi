@@ -1,0 +1,211 @@
+# Diagnostics: views of the sequences for the Python layer and the tests
+# (kept positions, block tables, the eviction strategies' rankings, internal
+# state), the decode read pattern without the arithmetic, and the machine's
+# ceilings (read bandwidth, instruction peak).  Included by _core.pyx (one
+# extension module).
+
+
+# ----------------------------------------------------------------------------
+# sequences (called with the cache's lock held)
+
+cdef object _kept_positions(CacheCore core, object sid):
+    """Original stream positions of the held tokens, in order (int64)."""
+    cdef Seq *s = core.seqs.lookup(sid)
+    cdef int64_t i, n = 0
+    cdef int64_t *p
+    out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
+    p = <int64_t *>cnp.PyArray_DATA(out)
+    for i in range(s.segs.a0, s.segs.a1):
+        p[n] = i + s.off0
+        n += 1
+    for i in range(s.segs.b0, s.segs.b1):
+        p[n] = i + s.off1
+        n += 1
+    return out
+
+
+cdef object _table_copy(const Seq *s):
+    out = np.empty(s.nblk, dtype=np.int32)
+    if s.nblk:
+        memcpy(cnp.PyArray_DATA(out), s.table, 4 * s.nblk)
+    return out
+
+
+cdef object _sequence_infos(CacheCore core):
+    cdef int64_t i
+    cdef Seq *s
+    out = []
+    for i in range(core.seqs.max_seqs):
+        s = &core.seqs.seqs[i]
+        if s.sid >= 0:
+            out.append((s.sid, s.last_use, s.use_count, pkv_held(&s.segs), s.nblk,
+                        s.priority, s.order))
+    return out
+
+
+cdef object _debug_state(CacheCore core, object sid):
+    cdef Seq *s = core.seqs.lookup(sid)
+    return dict(a0=s.segs.a0, a1=s.segs.a1, b0=s.segs.b0, b1=s.segs.b1, off0=s.off0,
+                off1=s.off1, table=_table_copy(s).tolist())
+
+
+cdef object _written_tokens(CacheCore core, object sid):
+    cdef Seq *s = core.seqs.lookup(sid)
+    cdef int64_t w = s.written[0]
+    cdef int l
+    for l in range(1, core.num_layers):
+        w = min(w, s.written[l])
+    return w
+
+
+# ----------------------------------------------------------------------------
+# the decode read pattern and the machine's ceilings
+
+cdef object _read_kv_pattern(CacheCore core, object sids, object layer):
+    cdef int l = _check_layer(core, layer)
+    cdef int64_t B = _batch_len(core, sids)
+    _attend_seqs(core, sids, B, l, False)
+    cdef int nt = _nthreads if _nthreads > 0 else pkv_max_threads()
+    cdef const char *k = core.pool.plane(l)
+    cdef size_t plane = core.pool.geom.plane_bytes, nbytes = 0
+    cdef uint64_t x
+    with nogil:
+        x = pkv_read_pattern(k, k + plane, plane, core.pool.geom.block_bytes,
+                             core.block_size, B, <const int32_t *const *>core.b_tables,
+                             core.b_segs, _simd, nt, &nbytes)
+    x ^= x >> 32
+    x ^= x >> 16
+    x ^= x >> 8
+    return int(nbytes), int(x & 0xFF)
+
+
+def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
+    """Measure memory read bandwidth (bytes/s, best of `repeats`) with the core's
+    SIMD read kernel over a buffer of `nbytes` (should be well above the L3 size)."""
+    import time
+    cdef int nt = get_num_threads() if threads is None else int(threads)
+    if nt < 1:
+        raise ValueError(f"threads must be >= 1, got {nt}")
+    buf = np.ones(max(int(nbytes) // 4, 1024), dtype=np.float32)
+    cdef const void *p = cnp.PyArray_DATA(buf)
+    cdef size_t n = buf.size
+    cdef double s
+    best = 0.0
+    with nogil:
+        s = pkv_read_sum(p, n, PKV_F32, _simd, nt)  # warm: pages resident, threads up
+    for _ in range(int(repeats)):
+        t0 = time.perf_counter()
+        with nogil:
+            s = pkv_read_sum(p, n, PKV_F32, _simd, nt)
+        dt = time.perf_counter() - t0
+        if s != <double>n:
+            raise RuntimeError("read kernel returned a wrong sum")
+        best = max(best, n * 4 / dt)
+    return best
+
+
+# ----------------------------------------------------------------------------
+# instruction peak (include/pagedkv/peak.h)
+
+_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64}
+
+
+def _peak_args(kind, simd, threads):
+    """(kind index, SIMD index, threads) of a peak probe, checked."""
+    if not isinstance(kind, str) or kind not in _PEAK_KINDS:
+        raise ValueError(f"unknown instruction kind {kind!r}; expected one of "
+                         f"{', '.join(_PEAK_KINDS)}")
+    cdef int k = _PEAK_KINDS[kind]
+    cdef int s = _simd
+    if simd is not None:
+        if not isinstance(simd, str) or simd not in _SIMD_NAMES:
+            raise ValueError(f"unknown SIMD path {simd!r}; expected one of "
+                             f"{', '.join(_SIMD_NAMES)}")
+        s = _SIMD_NAMES.index(simd)
+        if not pkv_simd_supported(s):
+            raise ValueError(f"SIMD path {simd!r} does not run on this machine (it runs "
+                             f"{', '.join(simd_supported())})")
+    if pkv_peak_width(k, s) == 0:
+        raise ValueError(f"no {kind} probe for SIMD path {_SIMD_NAMES[s]!r} in this build")
+    nt = int(threads)
+    if nt < 1:
+        raise ValueError(f"threads must be >= 1, got {nt}")
+    return k, s, nt
+
+
+def _fma_probe(kind="fma_f32", simd=None, iters=1, threads=1, a=0.5, b=1.0):
+    """Run the peak loop once, `iters` rounds on each of `threads` threads:
+    (lanes done, sum of every final lane).  Lane k of a thread's chains
+    starts at k, and each round turns its value c into c * a + b (for the
+    tests)."""
+    cdef int k, s, nt
+    k, s, nt = _peak_args(kind, simd, threads)
+    cdef int64_t n = int(iters)
+    if n < 0:
+        raise ValueError(f"iters must be >= 0, got {n}")
+    cdef double fa = float(a), fb = float(b), total = 0.0
+    cdef uint64_t lanes
+    with nogil:
+        lanes = pkv_peak_run(k, s, n, nt, fa, fb, &total)
+    return int(lanes), float(total)
+
+
+def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats=20):
+    """Measured peak rate of an instruction on this machine, in lanes per second.
+
+    kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
+    are built on (one multiply-add of one lane counts 1).  simd: the path
+    ("scalar", "avx2", "avx512", "neon"; None: the active one,
+    simd_backend()).  threads: threads running the loop at once (OpenMP;
+    a build without it runs their loops one after another, so the rate is
+    one thread's); the rate is the lanes of all of them / wall time.  The loop
+    (include/pagedkv/peak.h: 12 independent FMA chains over SIMD registers)
+    is timed for about `seconds` in all, as `repeats` runs of equal length
+    after a calibration that also warms up; the best run counts (short runs
+    are less likely to lose the CPU to another process on a shared machine).
+    Raises ValueError for an unknown kind or path, a path this machine does
+    not run, threads < 1, seconds <= 0 or repeats < 1."""
+    import math
+    import time
+    cdef int k, s, nt
+    k, s, nt = _peak_args(kind, simd, threads)
+    secs = float(seconds)
+    if not (secs > 0 and math.isfinite(secs)):
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    nrep = int(repeats)
+    if nrep < 1:
+        raise ValueError(f"repeats must be >= 1, got {nrep}")
+    run_s = secs / nrep
+    cdef uint64_t per_round = <uint64_t>nt * PKV_PEAK_CHAINS * pkv_peak_width(k, s)
+    cdef int64_t iters = 256
+    rate = 0.0  # best rounds per second seen
+    # calibration, which also warms up (thread pool started, clocks up): at
+    # least 3 runs, until one lasts half a timed run
+    for cal in range(64):
+        dt = _peak_once(k, s, iters, nt, per_round)
+        rate = max(rate, iters / dt)
+        if cal >= 2 and dt >= 0.5 * run_s:
+            break
+        iters = max(iters, min(64 * iters, <int64_t>(rate * run_s) + 1))
+    iters = max(256, <int64_t>(rate * run_s))
+    best = 0.0
+    for _ in range(nrep):
+        best = max(best, iters * per_round / _peak_once(k, s, iters, nt, per_round))
+    return best
+
+
+cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) except -1:
+    """Seconds one run of the probe took; checks the lanes it counted and its
+    checksum: with a = 0.5, b = 1 every lane ends at exactly 2 after >= 256
+    rounds (2^-256 times any start is below half an ulp of 2)."""
+    import time
+    cdef uint64_t lanes
+    cdef double total = 0.0
+    t0 = time.perf_counter()
+    with nogil:
+        lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
+    dt = time.perf_counter() - t0
+    if total != 2.0 * per_round or lanes != <uint64_t>iters * per_round:
+        raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
+                           f"{iters * per_round} lanes with checksum {2.0 * per_round}")
+    return max(dt, 1e-9)
