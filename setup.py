@@ -13,6 +13,7 @@ Environment:
                      build with AddressSanitizer and/or UndefinedBehaviorSanitizer
                      (-O1 -g; see tools/sanitize.sh for running the tests under it)
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -90,12 +91,8 @@ ext = Extension(
     ["pagedkv/_core.pyx"],
     include_dirs=["include", np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    depends=[os.path.join("include", "pagedkv", f) for f in
-             ("types.h", "simd.h", "layout.h", "attention.h", "attn_instances.h",
-              "attn_math.h", "attn_impl.h", "attn_vocab_end.h", "peak.h")]
-    + [os.path.join("pagedkv", f) for f in
-       ("_core.pxd", "_lock.pxi", "_checks.pxi", "_pool.pxi", "_seqtable.pxi", "_kernels.pxi",
-        "_transfer.pxi", "_diag.pxi")],
+    depends=sorted(glob.glob(os.path.join("include", "pagedkv", "*.h")))  # every C header
+    + sorted(glob.glob(os.path.join("pagedkv", "_*.pxi"))) + [os.path.join("pagedkv", "_core.pxd")],
 )
 
 setup(

@@ -93,9 +93,9 @@ cdef extern from "pagedkv/attention.h" nogil:
     const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd)
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
-    double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)
 
 cdef extern from "pagedkv/kvread.h" nogil:
+    double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads)
     uint64_t pkv_read_pattern(const char *k, const char *v, size_t plane_bytes,
                               size_t block_stride, int bs, int64_t nseq,
                               const int32_t *const *tables, const pkv_segs *segs, int simd,

@@ -1,88 +1,88 @@
 /* pagedkv/attn_instances.h -- instantiate the kernels of one (compute type,
  * instruction set) for every storage type they read.  Included by
- * attention.h once per pair, after it has defined the SIMD vocabulary, T,
- * PKV_F64 and PKV_TAG (the pair's name suffix, e.g. _f32_avx2).  No include
- * guard on purpose.
+ * attention.h once per pair, after one vocabulary (vocab_*.h: PKV_T, PKV_VEC,
+ * PKV_W, ..., PKV_T_F64 and PKV_TAG, the pair's name suffix, e.g. _f32_avx2)
+ * and before attn_vocab_end.h.  No include guard on purpose.
  *
- * Adding a storage format: its load vocabulary (an LD_* macro per
- * instruction set in attention.h, a scalar reader in convert.h), one block
- * below, one line in attention.h's table.
+ * Adding a storage format: its load vocabulary (a PKV_LD_* macro in every
+ * vocab_*.h, a scalar reader in convert.h), one block below, one line in
+ * attention.h's table.
  */
-#define FN(name) PKV_CAT(name, PKV_TAG)
+#define PKV_FN(name) PKV_CAT(name, PKV_TAG)
 #include "attn_math.h"
 
-/* W float32 scales (int8 storage; RoPE'd int8 keys) as the compute type */
-#if PKV_F64
-#define LDSC(p) LD_F32(p)
+/* PKV_W float32 scales (int8 storage; RoPE'd int8 keys) as the compute type */
+#if PKV_T_F64
+#define PKV_LDSC(p) PKV_LD_F32(p)
 #else
-#define LDSC(p) VLOAD(p)
+#define PKV_LDSC(p) PKV_VLOAD(p)
 #endif
 
 /* storage = the compute type */
-#define S T
-#define SLOAD(p) VLOAD(p)
-#define SGET(p) (*(p))
-#if PKV_F64
-#define CFN(name) PKV_CAT(PKV_CAT(name, _kvf64), PKV_TAG)
+#define PKV_S PKV_T
+#define PKV_SLOAD(p) PKV_VLOAD(p)
+#define PKV_SGET(p) (*(p))
+#if PKV_T_F64
+#define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf64), PKV_TAG)
 #else
-#define CFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
+#define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
 #endif
-/* CFN stays defined: the int8 kernels fold dequantized runs with this
+/* PKV_CFN stays defined: the int8 kernels fold dequantized runs with this
  * instance's functions */
-#define KFN(name) CFN(name)
+#define PKV_KFN(name) PKV_CFN(name)
 #include "attn_impl.h"
-#undef KFN
-#undef SGET
-#undef SLOAD
-#undef S
+#undef PKV_KFN
+#undef PKV_SGET
+#undef PKV_SLOAD
+#undef PKV_S
 
-#if PKV_F64
+#if PKV_T_F64
 /* float32 storage read by float64 compute */
-#define S float
-#define SLOAD(p) LD_F32(p)
-#define SGET(p) ((T) * (p))
-#define KFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
+#define PKV_S float
+#define PKV_SLOAD(p) PKV_LD_F32(p)
+#define PKV_SGET(p) ((PKV_T) * (p))
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
 #include "attn_impl.h"
-#undef KFN
-#undef SGET
-#undef SLOAD
-#undef S
+#undef PKV_KFN
+#undef PKV_SGET
+#undef PKV_SLOAD
+#undef PKV_S
 #endif
 
 /* bfloat16 */
-#define S uint16_t
-#define SLOAD(p) LD_BF16(p)
-#define SGET(p) ((T)pkv_bf16_to_f32(*(p)))
-#define KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_TAG)
+#define PKV_S uint16_t
+#define PKV_SLOAD(p) PKV_LD_BF16(p)
+#define PKV_SGET(p) ((PKV_T)pkv_bf16_to_f32(*(p)))
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_TAG)
 #include "attn_impl.h"
-#undef KFN
-#undef SGET
-#undef SLOAD
+#undef PKV_KFN
+#undef PKV_SGET
+#undef PKV_SLOAD
 
-/* float16 (S is still uint16_t) */
-#define SLOAD(p) LD_F16(p)
-#define SGET(p) ((T)pkv_f16_to_f32(*(p)))
-#define KFN(name) PKV_CAT(PKV_CAT(name, _kvf16), PKV_TAG)
+/* float16 (PKV_S is still uint16_t) */
+#define PKV_SLOAD(p) PKV_LD_F16(p)
+#define PKV_SGET(p) ((PKV_T)pkv_f16_to_f32(*(p)))
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvf16), PKV_TAG)
 #include "attn_impl.h"
-#undef KFN
-#undef SGET
-#undef SLOAD
-#undef S
+#undef PKV_KFN
+#undef PKV_SGET
+#undef PKV_SLOAD
+#undef PKV_S
 
-/* int8 with a float32 scale per PKV_I8_GROUP values: SLOAD/SGET read the
- * raw integers, attn_impl.h applies the group scales */
+/* int8 with a float32 scale per PKV_I8_GROUP values: PKV_SLOAD / PKV_SGET
+ * read the raw integers, attn_impl.h applies the group scales */
 #define PKV_STORE_SCALED 1
-#define S int8_t
-#define SLOAD(p) LD_I8(p)
-#define SGET(p) ((T) * (p))
-#define KFN(name) PKV_CAT(PKV_CAT(name, _kvi8), PKV_TAG)
+#define PKV_S int8_t
+#define PKV_SLOAD(p) PKV_LD_I8(p)
+#define PKV_SGET(p) ((PKV_T) * (p))
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvi8), PKV_TAG)
 #include "attn_impl.h"
-#undef KFN
-#undef SGET
-#undef SLOAD
-#undef S
+#undef PKV_KFN
+#undef PKV_SGET
+#undef PKV_SLOAD
+#undef PKV_S
 #undef PKV_STORE_SCALED
-#undef CFN
-#undef LDSC
+#undef PKV_CFN
+#undef PKV_LDSC
 
-#undef FN
+#undef PKV_FN

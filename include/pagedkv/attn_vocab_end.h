@@ -1,28 +1,29 @@
 /* pagedkv/attn_vocab_end.h -- undefine one (compute type, ISA) vocabulary
- * (see attention.h).  No include guard on purpose. */
-#undef VEC
-#undef W
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VADD
-#undef VSUB
-#undef VMUL
-#undef VDIV
-#undef VMAX
-#undef VMIN
-#undef VFMA
-#undef VREDUCE
-#undef VHMAX
+ * (vocab_*.h) and its PKV_T_F64, after attention.h has instantiated it.  No
+ * include guard on purpose. */
+#undef PKV_VEC
+#undef PKV_W
+#undef PKV_VLOAD
+#undef PKV_VSTORE
+#undef PKV_VSET1
+#undef PKV_VZERO
+#undef PKV_VADD
+#undef PKV_VSUB
+#undef PKV_VMUL
+#undef PKV_VDIV
+#undef PKV_VMAX
+#undef PKV_VMIN
+#undef PKV_VFMA
+#undef PKV_VREDUCE
+#undef PKV_VHMAX
 #undef PKV_SC_NV
 #undef PKV_PV_NV
-#undef VROUND
-#undef VSCALE2K
-#undef LD_F32
-#undef LD_BF16
-#undef LD_F16
-#undef LD_I8
-#undef T
-#undef PKV_F64
+#undef PKV_VROUND
+#undef PKV_VSCALE2K
+#undef PKV_LD_F32
+#undef PKV_LD_BF16
+#undef PKV_LD_F16
+#undef PKV_LD_I8
+#undef PKV_T
+#undef PKV_T_F64
 #undef PKV_TAG

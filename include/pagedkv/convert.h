@@ -2,7 +2,7 @@
  * compute types (float, double) and the storage types of types.h, and the
  * row writers/readers that layout.h uses for appends and gathers.  The
  * attention kernels convert on load with their own vector vocabulary
- * (attention.h) and fall back to the scalar readers here for tails.
+ * (PKV_LD_* of vocab_*.h) and fall back to the scalar readers here for tails.
  *
  * Rounding is to nearest, ties to even, everywhere:
  *   - float  -> bfloat16 / float16: on the bits (exact RNE);

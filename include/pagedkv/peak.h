@@ -98,19 +98,20 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DE
 
 #if PKV_X86
 #include <immintrin.h>
+/* Both loops of an x86 path: pkv_peak_fma_{f32,f64}_<isa> with the target
+ * attribute `tgt`, over registers V32 / V64 of W32 floats (W32 / 2
+ * doubles) and the intrinsics of prefix `mm` (_mm256, _mm512). */
+#define PKV_PEAK_DEFINE_X86(isa, tgt, V32, V64, W32, mm)                                     \
+    __attribute__((target(tgt)))                                                             \
+    PKV_PEAK_DEFINE(pkv_peak_fma_f32_##isa, V32, float, W32, mm##_set1_ps, mm##_loadu_ps,    \
+                    mm##_storeu_ps, mm##_fmadd_ps)                                           \
+    __attribute__((target(tgt)))                                                             \
+    PKV_PEAK_DEFINE(pkv_peak_fma_f64_##isa, V64, double, (W32) / 2, mm##_set1_pd,            \
+                    mm##_loadu_pd, mm##_storeu_pd, mm##_fmadd_pd)
 /* AVX2 + FMA: 8 / 4 lanes; AVX-512: 16 / 8 lanes */
-__attribute__((target("avx2,fma")))
-PKV_PEAK_DEFINE(pkv_peak_fma_f32_avx2, __m256, float, 8, _mm256_set1_ps, _mm256_loadu_ps,
-                _mm256_storeu_ps, _mm256_fmadd_ps)
-__attribute__((target("avx2,fma")))
-PKV_PEAK_DEFINE(pkv_peak_fma_f64_avx2, __m256d, double, 4, _mm256_set1_pd, _mm256_loadu_pd,
-                _mm256_storeu_pd, _mm256_fmadd_pd)
-__attribute__((target("avx512f")))
-PKV_PEAK_DEFINE(pkv_peak_fma_f32_avx512, __m512, float, 16, _mm512_set1_ps, _mm512_loadu_ps,
-                _mm512_storeu_ps, _mm512_fmadd_ps)
-__attribute__((target("avx512f")))
-PKV_PEAK_DEFINE(pkv_peak_fma_f64_avx512, __m512d, double, 8, _mm512_set1_pd, _mm512_loadu_pd,
-                _mm512_storeu_pd, _mm512_fmadd_pd)
+PKV_PEAK_DEFINE_X86(avx2, "avx2,fma", __m256, __m256d, 8, _mm256)
+PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
+#undef PKV_PEAK_DEFINE_X86
 #endif /* PKV_X86 */
 
 #if PKV_ARM64

@@ -128,3 +128,9 @@ typedef struct {
 } pkv_segs;
 
 static inline int64_t pkv_held(const pkv_segs *s) { return (s->a1 - s->a0) + (s->b1 - s->b0); }
+
+/* Blocks [*lo, *hi) of a table that slots [s0, s1) touch (empty when s0 == s1). */
+static inline void pkv_blocks_of(int64_t s0, int64_t s1, int bs, int64_t *lo, int64_t *hi) {
+    *lo = s0 / bs;
+    *hi = s1 > s0 ? (s1 + bs - 1) / bs : *lo;
+}

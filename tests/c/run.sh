@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds tests/c/test_kernels.c and runs it on every SIMD path it can reach:
+# Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
 #   native    with $CC (default cc): scalar, and AVX2 / AVX-512 where this CPU has them
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
 #             qemu-aarch64-static: scalar and NEON (skipped, saying so, when the
@@ -13,7 +13,7 @@ native_only=0
 if [ "${1:-}" = "--native-only" ]; then native_only=1; shift; fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-flags=(-O2 -std=c11 -Wall -Wextra -I"$root/include" "$here/test_kernels.c" -lm)
+flags=(-O2 -std=c11 -Wall -Wextra -I"$root/include" "$here/test_kernels.c" "$here/fixture.c" -lm)
 
 # compile: $1 compiler, $2 output, rest extra flags; OpenMP when the compiler has it
 build() {

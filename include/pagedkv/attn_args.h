@@ -1,0 +1,162 @@
+/* pagedkv/attn_args.h -- what the attention kernels are called with and how
+ * they split their work: the argument struct, RoPE tables, the tile
+ * geometry, the plans of a decode / prefill call, and the scratch and
+ * split-K sizes a caller allocates.  Shared by the kernel templates
+ * (attn_math.h, attn_impl.h), the dispatch (attention.h) and the callers.
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include "types.h"
+#include "prefetch.h"
+
+#ifndef restrict
+#define restrict __restrict__
+#endif
+
+/* name##suffix after both are expanded (the templates' name mangling) */
+#define PKV_CAT_(a, b) a##b
+#define PKV_CAT(a, b) PKV_CAT_(a, b)
+
+/* Query rows handled together against one kv head (GQA group x query tile). */
+#ifndef PKV_MAX_ROWS
+#define PKV_MAX_ROWS 64
+#endif
+
+typedef struct {
+    const void *cos, *sin;     /* [max_pos][half], cache dtype (queries) */
+    const void *cos_t, *sin_t; /* the same transposed, [half][max_pos] (keys: a vector
+                                  takes consecutive positions, as K^T takes keys) */
+    int64_t max_pos;
+    int half; /* rotary_dim / 2 */
+} pkv_rope;
+
+/* Keys per tile: a work item folds its blocks this many keys at a time
+ * (one softmax step per tile and head; the score micro-kernel gathers its
+ * key vectors across the tile's blocks).  Measured (decode_ceiling, f32,
+ * bs=16, 1 thread): 32 and 128 keys both slower than 64, in cache (59-66 /
+ * 65-75 vs 69-76 G FMA lanes/s) and out of DRAM (58-59% / 58-64% vs 64-65%
+ * of the pattern read).  prefetch.h's stream holds one tile's blocks. */
+#define PKV_TILE_KEYS 64
+_Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)),
+               "a tile's blocks must fit the prefetch stream (prefetch.h)");
+/* 0 turns the kernels' software prefetch off (for measurements) */
+#ifndef PKV_PREFETCH_UNITS
+#define PKV_PREFETCH_UNITS 1
+#endif
+#define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
+
+/* blocks per tile, and the columns of a tile's score rows (>= its keys,
+ * a multiple of 16 so every vector width divides it) */
+static inline int pkv_tile_blocks(int bs) { return bs >= PKV_TILE_KEYS ? 1 : PKV_TILE_KEYS / bs; }
+static inline int pkv_tile_cols(int bs) {
+    return (pkv_tile_blocks(bs) * bs + 15) / 16 * 16;
+}
+
+/* One key vector of a tile: PKV_W consecutive keys' K^T at dimension 0 of lane
+ * 0 (the next dimension `stride` items on), int8 scales at group 0 of lane
+ * 0; lanes [lo, hi) are keys of the tile, lane l its column col + l. */
+typedef struct {
+    const void *k;
+    const float *sc;
+    int col, lo, hi;
+} pkv_kvec;
+
+/* Key vectors of one run (n keys from slot off of a K^T whose rows are
+ * `stride` items long, stride >= w): windows of w lanes that stay inside
+ * the row, the last one shifted back to end at the row's end if needed.
+ * Returns the number written to e. */
+static inline int pkv_kvecs_of(pkv_kvec *e, const void *kt, size_t item, const float *sc,
+                               size_t stride, int off, int n, int col, int w) {
+    int ne = 0;
+    for (int j0 = 0; j0 < n; j0 += w) {
+        size_t s = (size_t)(off + j0);
+        if (s + (size_t)w > stride) s = stride - (size_t)w;
+        const int lo = off + j0 - (int)s;
+        const int hi = off + n - (int)s < w ? off + n - (int)s : w;
+        e[ne].k = (const char *)kt + s * item;
+        e[ne].sc = sc ? sc + s : NULL;
+        e[ne].lo = lo;
+        e[ne].hi = hi;
+        e[ne].col = col + j0 - lo;
+        ne++;
+    }
+    return ne;
+}
+
+typedef struct {
+    const void *k, *v;            /* K / V plane of one layer in block 0 (layout: types.h) */
+    size_t block_stride;          /* bytes from one block to the next */
+    size_t scale_offset;          /* int8 storage: from a plane to its scales (types.h) */
+    int bs, hkv, hq, d;
+    int64_t nseq;                 /* decode: batch; prefill: 1 */
+    const int32_t *const *tables; /* per sequence */
+    const pkv_segs *segs;         /* per sequence */
+    const void *q;                /* [nseq or nq][hq][d] */
+    void *out;                    /* same shape as q */
+    int qo16;                     /* 0: q and out are of the compute type; PKV_BF16 or
+                                   * PKV_F16: 16-bit (compute float32, out rounded once) */
+    int64_t nq;                   /* prefill: query tokens (the newest held) */
+    double scale;
+    const pkv_rope *rope;         /* NULL: keys and queries used as given */
+    void *scratch;                /* nthreads * scratch_stride bytes, 64-aligned */
+    size_t scratch_stride;
+    void *partial;                /* split-K partial states: partial_slots slots */
+    int64_t partial_slots;
+    int nthreads;                 /* threads allowed */
+    int64_t *plan_out;            /* NULL or 3 slots: threads used, heads per item, key chunks */
+    /* options (0 / NULL: off; a zeroed struct is plain causal attention) */
+    int64_t window;               /* sliding window: the query at rank i sees ranks
+                                     (i - window, i]; blocks before it are never read */
+    double softcap;               /* scores s (scaled) become softcap * tanh(s / softcap) */
+    const double *sinks;          /* [hq]: a learned logit per query head that joins the
+                                     softmax denominator and carries no value */
+} pkv_attn_args;
+
+/* First rank a query at rank `last` sees (0 without a window). */
+static inline int64_t pkv_window_lo(int64_t last, int64_t window) {
+    return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+}
+
+/* Keys a decode query (at the newest held rank) sees. */
+static inline int64_t pkv_decode_visible(const pkv_segs *sg, int64_t window) {
+    const int64_t held = (sg->a1 - sg->a0) + (sg->b1 - sg->b0);
+    return window > 0 && held > window ? window : held;
+}
+
+/* The work split of one decode / prefill call (attn_calls.h), shared by its items. */
+typedef struct {
+    int gsz, ng_max, ngc, hpg, ngroups;
+    int64_t nchunk;
+    size_t slot_bytes;
+} pkv_decode_plan;
+
+typedef struct {
+    int gsz, ng_max, ngc, tq;
+    int64_t ntile, rank0;
+} pkv_prefill_plan;
+
+/* A sequence is split over several threads only if each key chunk gets at
+ * least this many tokens. */
+#define PKV_SPLIT_MIN 256
+
+/* Calls with fewer multiply-adds than this run on one thread: below it the
+ * fork/join of a parallel region costs more than it saves (~10-20 us of
+ * work), and on a busy machine a descheduled worker would stall the call. */
+#define PKV_PARALLEL_MIN (1 << 21)
+
+/* Bytes of one split-K partial state (m, l, acc of PKV_MAX_ROWS rows). */
+static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
+    return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
+}
+
+/* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,
+ * query rows, accumulators, alpha, a tile's scores (PKV_MAX_ROWS rows of
+ * pkv_tile_cols), and kbuf: a tile's keys rotated by RoPE, [d][tile cols]. */
+static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
+    const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
+    const size_t cols = (size_t)pkv_tile_cols(bs);
+    return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
+           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) +
+           PKV_ALIGN_UP((size_t)d * cols * itemsize) + PKV_ALIGN;
+}

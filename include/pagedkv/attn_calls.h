@@ -1,0 +1,178 @@
+/* pagedkv/attn_calls.h -- the entry points of the attention kernels, per
+ * (storage type, compute type, instruction set): decode (one query per
+ * sequence) and prefill (the newest ranks of one sequence), each split into
+ * work items (attn_item.h) over threads; decode merges split-K partials.
+ *
+ * A template, like attn_impl.h that includes it (its vocabulary and
+ * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ */
+
+/* One decode work item `it` of the plan (see decode). */
+static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode_plan *pl, int64_t it) {
+    const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, hpg = pl->hpg;
+    const int ngroups = pl->ngroups, d = a->d;
+    const int64_t nchunk = pl->nchunk;
+    const size_t slot_bytes = pl->slot_bytes;
+    PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
+    const int64_t c = it % nchunk, rest = it / nchunk;
+    const int gc = (int)(rest % ngc);
+    const int grp = (int)((rest / ngc) % ngroups);
+    const int64_t b = rest / ((int64_t)ngc * ngroups);
+    const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
+    const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+    const pkv_segs sg = a->segs[b];
+    const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
+    const int64_t lo = pkv_window_lo(held - 1, a->window), vis = held - lo;
+    PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
+    /* the query token is token b of q: load_queries/store_out index tokens from t0 = b;
+     * key chunks split the visible ranks [lo, held) (the window's blocks only) */
+    PKV_KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, lo + vis * c / nchunk,
+                     lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    if (nchunk == 1) {
+        PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
+    } else {
+        char *p = (char *)a->partial + (size_t)it * slot_bytes;
+        const int nq = nh * ng;
+        memcpy(p, sc.m, sizeof(double) * nq);
+        memcpy(p + sizeof(double) * PKV_MAX_ROWS, sc.l, sizeof(double) * nq);
+        memcpy(p + 2 * sizeof(double) * PKV_MAX_ROWS, sc.acc, sizeof(PKV_T) * (size_t)nq * d);
+    }
+}
+
+/* Batched decode: one query token per sequence, at its newest held rank.
+ *
+ * Work items are (sequence, head group, member chunk, key chunk).  A head
+ * group is as many KV heads as fit PKV_MAX_ROWS query rows, split further
+ * while there are fewer items than threads; if that is still too few (few
+ * sequences, few KV heads), each sequence's keys are split into chunks whose
+ * partial softmax states (m, l, acc) are merged by log-sum-exp afterwards. */
+static void PKV_KFN(decode)(const pkv_attn_args *a) {
+    const int gsz = a->hq / a->hkv, d = a->d;
+    double work = 0.0; /* multiply-adds */
+    for (int64_t b = 0; b < a->nseq; b++)
+        work += (double)pkv_decode_visible(&a->segs[b], a->window);
+    work *= 2.0 * a->hq * d;
+    const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
+    const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
+    const int ngc = (gsz + ng_max - 1) / ng_max;
+    int hpg = PKV_MAX_ROWS / ng_max;
+    if (hpg > a->hkv) hpg = a->hkv;
+    while (hpg > 1 && a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < nthreads) hpg = (hpg + 1) / 2;
+    const int ngroups = (a->hkv + hpg - 1) / hpg;
+    const int64_t base = a->nseq * ngroups * ngc;
+    int64_t nchunk = 1;
+    if (base < nthreads && a->partial_slots > 0) {
+        int64_t held_min = INT64_MAX;
+        for (int64_t b = 0; b < a->nseq; b++) {
+            const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
+            if (h < held_min) held_min = h;
+        }
+        nchunk = (nthreads + base - 1) / base;
+        if (nchunk * base > a->partial_slots) nchunk = a->partial_slots / base;
+        if (nchunk > held_min / PKV_SPLIT_MIN) nchunk = held_min / PKV_SPLIT_MIN;
+        if (nchunk < 1) nchunk = 1;
+    }
+    const int64_t items = base * nchunk;
+    const size_t slot_bytes = pkv_partial_slot_bytes(d, sizeof(PKV_T));
+    if (a->plan_out) {
+        a->plan_out[0] = nthreads;
+        a->plan_out[1] = hpg;
+        a->plan_out[2] = nchunk;
+    }
+    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes};
+    int64_t it;
+    if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (it = 0; it < items; it++) PKV_KFN(decode_item)(a, &pl, it);
+    } else { /* no OpenMP region: even with if(0) it costs ~0.4 us a call */
+        for (it = 0; it < items; it++) PKV_KFN(decode_item)(a, &pl, it);
+    }
+    if (nchunk == 1) return;
+    /* merge the key chunks of each (sequence, head group, member chunk) */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (it = 0; it < base; it++) {
+        PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
+        const int gc = (int)(it % ngc);
+        const int grp = (int)((it / ngc) % ngroups);
+        const int64_t b = it / ((int64_t)ngc * ngroups);
+        const int h0 = grp * hpg, nh = a->hkv - h0 < hpg ? a->hkv - h0 : hpg;
+        const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+        const int nq = nh * ng;
+        for (int i = 0; i < nq; i++) {
+            double mx = -INFINITY;
+            for (int64_t c = 0; c < nchunk; c++) {
+                const double *pm = (const double *)((char *)a->partial + (size_t)(it * nchunk + c) * slot_bytes);
+                if (pm[i] > mx) mx = pm[i];
+            }
+            double lsum = 0.0;
+            PKV_T *dst = sc.acc + (size_t)i * d;
+            for (int j = 0; j < d; j++) dst[j] = 0;
+            for (int64_t c = 0; c < nchunk; c++) {
+                const char *p = (const char *)a->partial + (size_t)(it * nchunk + c) * slot_bytes;
+                const double pm = ((const double *)p)[i];
+                if (pm == -INFINITY) continue; /* empty chunk */
+                const double w = exp(pm - mx);
+                lsum += w * ((const double *)(p + sizeof(double) * PKV_MAX_ROWS))[i];
+                const PKV_T *pa = (const PKV_T *)(p + 2 * sizeof(double) * PKV_MAX_ROWS) + (size_t)i * d;
+                for (int j = 0; j < d; j++) dst[j] += (PKV_T)w * pa[j];
+            }
+            sc.l[i] = lsum;
+            sc.m[i] = mx;
+        }
+        PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
+    }
+}
+
+/* One prefill work item `it` of the plan (see prefill). */
+static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_plan *pl,
+                                         int64_t it) {
+    const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, tq = pl->tq;
+    PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
+    /* latest tiles (most keys) first, for balance */
+    const int64_t tile = pl->ntile - 1 - it / ((int64_t)a->hkv * ngc);
+    const int h = (int)((it / ngc) % a->hkv);
+    const int gc = (int)(it % ngc);
+    const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
+    const int64_t t0 = tile * tq;
+    const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
+    PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
+    /* from the first rank the tile's first query sees: with a window, the blocks
+     * before it are never read */
+    PKV_KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+    PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
+}
+
+/* Causal prefill of one sequence: a->nq query tokens are its newest held ranks.
+ * Items are (kv head, member chunk, query tile); a tile of tq tokens x ng
+ * members reads each key block once and skips the blocks past its last
+ * query's rank (the causal mask costs no work beyond the diagonal blocks). */
+static void PKV_KFN(prefill)(const pkv_attn_args *a) {
+    const int gsz = a->hq / a->hkv;
+    const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
+    const int ngc = (gsz + ng_max - 1) / ng_max;
+    const int tq = PKV_MAX_ROWS / ng_max;
+    const int64_t ntile = (a->nq + tq - 1) / tq;
+    const int64_t items = (int64_t)a->hkv * ngc * ntile;
+    const pkv_segs sg = a->segs[0];
+    const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
+    const int64_t rank0 = held - a->nq;
+    /* causal multiply-adds: query i sees rank0 + i + 1 keys (at most window) */
+    double work = 2.0 * a->hq * a->d * (double)a->nq * ((double)rank0 + 0.5 * (a->nq + 1));
+    if (a->window > 0 && work > 2.0 * a->hq * a->d * (double)a->nq * (double)a->window)
+        work = 2.0 * a->hq * a->d * (double)a->nq * (double)a->window;
+    const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
+    if (a->plan_out) {
+        a->plan_out[0] = nthreads;
+        a->plan_out[1] = 1;
+        a->plan_out[2] = 1;
+    }
+    const pkv_prefill_plan pl = {gsz, ng_max, ngc, tq, ntile, rank0};
+    int64_t it;
+    if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (it = 0; it < items; it++) PKV_KFN(prefill_item)(a, &pl, it);
+    } else { /* no OpenMP region (see decode) */
+        for (it = 0; it < items; it++) PKV_KFN(prefill_item)(a, &pl, it);
+    }
+}

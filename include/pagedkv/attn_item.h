@@ -1,0 +1,184 @@
+/* pagedkv/attn_item.h -- one work item of the attention kernels, per
+ * (storage type, compute type, instruction set): kv heads of one sequence
+ * against their query rows over a range of held ranks, a tile at a time
+ * (attn_tile.h), with the prefetch stream of the next unit (prefetch.h).
+ *
+ * A template, like attn_impl.h that includes it (its vocabulary and
+ * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ */
+
+/* One work item: kv heads [h0, h0 + nh) of sequence s against their query
+ * rows over held ranks [rbeg, rend).  Rows are laid out head-major: head hh
+ * owns rows [hh * nqh, (hh + 1) * nqh) of q / acc / m / l, and row i of every
+ * head sees ranks <= lim[i].
+ *
+ * The item's blocks (each with the run of held slots it contributes) are
+ * taken a tile of PKV_TILE_KEYS keys at a time: for each head of the item,
+ * scores of its rows against the tile's keys (K of the tile's blocks) and
+ * one softmax step; then for each head P.V (V of the tile's blocks).  Each
+ * (phase, head) is a unit of the prefetch stream (prefetch.h). */
+static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
+                                 const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
+                                 int64_t rend, PKV_T *restrict acc, double *m, double *l,
+                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha) {
+    const int bs = a->bs, d = a->d;
+    const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
+    const size_t bstride = a->block_stride;             /* one block */
+    const char *kb = (const char *)a->k + (size_t)h0 * hstride;
+    const char *vb = (const char *)a->v + (size_t)h0 * hstride;
+    const int32_t *table = a->tables[s];
+    const pkv_segs sg = a->segs[s];
+    const int nq = nh * nqh;
+    const int tb = pkv_tile_blocks(bs), ldc = pkv_tile_cols(bs);
+#if PKV_STORE_SCALED
+    const size_t hscales = (size_t)bs * sizeof(float) * ((d + PKV_I8_GROUP - 1) / PKV_I8_GROUP);
+    const char *ksc = (const char *)a->k + a->scale_offset + (size_t)h0 * hscales;
+    const char *vsc = (const char *)a->v + a->scale_offset + (size_t)h0 * hscales;
+#endif
+    for (int i = 0; i < nq; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0;
+    }
+    memset(acc, 0, sizeof(PKV_T) * (size_t)nq * d);
+
+    /* held ranks map to slots: [0, n0) -> [a0, a1), [n0, ...) -> [b0, b1) */
+    const int64_t n0 = sg.a1 - sg.a0;
+    const int64_t seg_slot[2] = {sg.a0, sg.b0};
+    const int64_t seg_rank[2] = {0, n0};
+    const int64_t seg_end[2] = {n0, n0 + sg.b1 - sg.b0};
+    int64_t rfirst[2], rlast[2], blo[2], bhi[2];
+    for (int sgi = 0; sgi < 2; sgi++) {
+        rfirst[sgi] = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
+        rlast[sgi] = seg_end[sgi] < rend ? seg_end[sgi] : rend;
+        if (rlast[sgi] < rfirst[sgi]) rlast[sgi] = rfirst[sgi];
+        pkv_blocks_of(seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]),
+                      seg_slot[sgi] + (rlast[sgi] - seg_rank[sgi]), bs, &blo[sgi], &bhi[sgi]);
+    }
+    const int64_t nent = (bhi[0] - blo[0]) + (bhi[1] - blo[1]);
+    const int64_t nent0 = bhi[0] - blo[0];
+    const int ntiles = (int)((nent + tb - 1) / tb);
+    int rows[PKV_MAX_ROWS];
+    PKV_KFN(run_t) runs[PKV_TILE_KEYS];
+    int64_t bidx[PKV_TILE_KEYS];
+    /* prefetch stream of the unit after the one being read; unit
+     * (tile t, phase ph (0: K, 1: V), head hh) is number (t * 2 + ph) * nh + hh */
+    pkv_pfs pfs;
+#define PKV_UNIT_SLICES(unit, ps)                                                          \
+    do {                                                                                   \
+        const int64_t t_ = (unit) / (2 * nh), ph_ = ((unit) / nh) % 2, hh_ = (unit) % nh;  \
+        const int64_t e0_ = t_ * tb;                                                       \
+        (ps)->n = 0;                                                                       \
+        for (int64_t e_ = e0_; e_ < e0_ + tb && e_ < nent; e_++) {                         \
+            const int64_t ti_ = e_ < nent0 ? blo[0] + e_ : blo[1] + (e_ - nent0);          \
+            (ps)->p[(ps)->n++] = (ph_ ? vb : kb) + (size_t)table[ti_] * bstride +          \
+                                 (size_t)hh_ * hstride;                                    \
+        }                                                                                  \
+        (ps)->len = hstride;                                                               \
+        pkv_pfs_start(ps);                                                                 \
+    } while (0)
+    const int64_t nunits = (int64_t)ntiles * 2 * nh;
+    if (PKV_PREFETCH_UNITS && nunits > 0) { /* the first unit, at once */
+        PKV_UNIT_SLICES(0, &pfs);
+        pkv_pfs_finish(&pfs);
+    }
+    int sgi = 0;
+    int64_t rr = rfirst[0], slot = seg_slot[0] + (rfirst[0] - seg_rank[0]);
+    for (int t = 0; t < ntiles; t++) {
+        const int64_t g0 = (int64_t)t * tb;
+        const int cnt = nent - g0 < tb ? (int)(nent - g0) : tb;
+        int64_t tile_r0 = -1;
+        int nk = 0;
+        for (int u = 0; u < cnt; u++) {
+            while (rr >= rlast[sgi]) { /* next segment */
+                sgi++;
+                rr = rfirst[sgi];
+                slot = seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]);
+            }
+            const int64_t bi = slot / bs;
+            const int off = (int)(slot - bi * bs);
+            int n = bs - off;
+            if (n > rlast[sgi] - rr) n = (int)(rlast[sgi] - rr);
+            if (tile_r0 < 0) tile_r0 = rr;
+            bidx[u] = bi;
+            runs[u].off = off;
+            runs[u].n = n;
+            runs[u].col = nk;
+            nk += n;
+            rr += n;
+            slot += n;
+        }
+        int na = 0;
+        for (int i = 0; i < nqh; i++)
+            if (lim[i] >= tile_r0 && pkv_window_lo(lim[i], a->window) < tile_r0 + nk) rows[na++] = i;
+        if (na == 0) continue;
+#if PKV_STORE_SCALED
+        if (g0 + cnt < nent) { /* the next tile's scales (the streams fetch the values) */
+            for (int64_t e = g0 + cnt, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
+                const int64_t ti = e < nent0 ? blo[0] + e : blo[1] + (e - nent0);
+                const size_t o = (size_t)table[ti] * bstride;
+                for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
+                    __builtin_prefetch(ksc + o + x, 0, 3);
+                    __builtin_prefetch(vsc + o + x, 0, 3);
+                }
+            }
+        }
+#endif
+        for (int ph = 0; ph < 2; ph++) {
+            for (int hh = 0; hh < nh; hh++) {
+                const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
+                pkv_pfs *ps = NULL;
+                /* software prefetch where the hardware prefetcher does not follow:
+                 * the next unit while a V unit is read (P.V walks each V slice in
+                 * passes of part of a row), and the jump to the next tile's blocks.
+                 * K units read K^T rows front to back, which the hardware streamer
+                 * follows (prefetching them too measured no faster out of DRAM and
+                 * 15-20% slower in cache; benchmarks/c/decode_ceiling.c). */
+                if (PKV_PREFETCH_UNITS && unit + 1 < nunits &&
+                    (ph == 1 || (unit + 1) % (2 * nh) == 0)) {
+                    PKV_UNIT_SLICES(unit + 1, &pfs);
+                    ps = &pfs;
+                }
+                for (int u = 0; u < cnt; u++) {
+                    const size_t o = (size_t)table[bidx[u]] * bstride + (size_t)hh * hstride;
+                    runs[u].k = (const PKV_S *)(kb + o);
+                    runs[u].v = (const PKV_S *)(vb + o);
+#if PKV_STORE_SCALED
+                    const size_t so = (size_t)table[bidx[u]] * bstride + (size_t)hh * hscales;
+                    runs[u].ksc = (const float *)(ksc + so);
+                    runs[u].vsc = (const float *)(vsc + so);
+#else
+                    runs[u].ksc = runs[u].vsc = NULL;
+#endif
+                }
+                PKV_T *sh = sbuf + (size_t)hh * na * ldc;
+                if (ph == 0) {
+                    const PKV_T *qh = q + (size_t)hh * nqh * d;
+                    if (a->rope) {
+                        const int ks = (nk + PKV_W - 1) / PKV_W * PKV_W;
+                        PKV_KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
+                        PKV_CFN(run_t) kr;
+                        kr.k = kr.v = kbuf;
+                        kr.ksc = kr.vsc = NULL;
+                        kr.off = kr.col = 0;
+                        kr.n = nk;
+                        PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
+                    } else if (bs >= PKV_W) {
+                        PKV_KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
+                    } else {
+                        for (int u = 0; u < cnt; u++)
+                            PKV_KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs,
+                                               runs[u].off, runs[u].n, runs[u].col, d, sh, ldc);
+                    }
+                    PKV_KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window,
+                                      (PKV_T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
+                                      alpha + hh * na);
+                } else {
+                    PKV_KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha + hh * na,
+                                     runs, cnt, (size_t)bs, d, kbuf, ps);
+                }
+                if (ps) pkv_pfs_finish(ps);
+            }
+        }
+    }
+#undef PKV_UNIT_SLICES
+}

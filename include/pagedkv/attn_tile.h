@@ -1,0 +1,414 @@
+/* pagedkv/attn_tile.h -- the steps of one tile of keys, per (storage type,
+ * compute type, instruction set): scores of a tile's keys, the softmax step,
+ * P.V, and the keys rotated by RoPE.
+ *
+ * ---- the micro-kernels ----------------------------------------------------
+ * Scores: a register tile of R query rows x NV key vectors (PKV_W keys each,
+ * the same dimension of consecutive keys, one vector load from K^T), walked
+ * down the head dimension: broadcast q[r][i], one vertical multiply-add per
+ * (row, key vector).  No horizontal sum anywhere.
+ * P.V: a register tile of R rows x NV dimension vectors of the output,
+ * walked over the keys of the tile: broadcast p[r][j], multiply-add the
+ * vector of V row j.
+ * Both tiles are sized so their accumulators and operands fit the
+ * registers of the instruction set (PKV_SC_NV, PKV_PV_NV: vocab_*.h).
+ *
+ * A template, like attn_impl.h that includes it (its vocabulary and
+ * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ */
+
+/* One step of a register tile, shared by both micro-kernels: NV vectors
+ * x[v] = LOAD(v, k), and for each of the R rows acc[r][v] += BCAST(r, k) *
+ * x[v] (a broadcast, then one vertical multiply-add per vector). */
+#define PKV_MK_STEP(acc, R, NV, LOAD, BCAST, k)                                        \
+    {                                                                                  \
+        PKV_VEC x[NV];                                                                 \
+        for (int v = 0; v < NV; v++) x[v] = LOAD(v, k);                                \
+        for (int r = 0; r < R; r++) {                                                  \
+            const PKV_VEC b = PKV_VSET1(BCAST(r, k));                                  \
+            for (int v = 0; v < NV; v++) (acc)[r][v] = PKV_VFMA(b, x[v], (acc)[r][v]); \
+        }                                                                              \
+    }
+
+/* The walk of a micro-kernel over its steps k .. end - 1 (k an lvalue): NS
+ * steps at a time into NS independent sets of accumulators acc[0 .. NS-1]
+ * (a prefetch step each), the rest one at a time into acc[0]. */
+#define PKV_MK_SWEEP(acc, R, NV, NS, LOAD, BCAST, k, end)                                \
+    for (; k + (NS) <= (end); k += (NS)) {                                               \
+        PKV_PFS_STEP                                                                     \
+        for (int u = 0; u < (NS); u++) PKV_MK_STEP((acc)[u], R, NV, LOAD, BCAST, k + u)  \
+    }                                                                                    \
+    for (; k < (end); k++) PKV_MK_STEP((acc)[0], R, NV, LOAD, BCAST, k)
+
+/* PUT(r, v, NV, t) for every accumulator of the tile, t = acc[0][r][v] + ...
+ * + acc[NS - 1][r][v] (the sum of its NS independent sets) */
+#define PKV_MK_REDUCE(acc, R, NV, NS, PUT)                                               \
+    for (int r = 0; r < R; r++)                                                          \
+        for (int v = 0; v < NV; v++) {                                                   \
+            PKV_VEC t = (acc)[0][r][v];                                                  \
+            for (int u = 1; u < (NS); u++) t = PKV_VADD(t, (acc)[u][r][v]);              \
+            PUT(r, v, NV, t);                                                            \
+        }
+
+/* Scores of R rows x NV key vectors.  q[r] are the rows (scaled queries),
+ * e[v] the key vectors (pkv_kvec: K^T at dim 0 of lane 0, int8 scales at
+ * group 0 of lane 0), stride = items from one dimension to the next.  The
+ * results go to out[r * NV + v]. */
+#define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
+    static inline void PKV_KFN(NAME)(const PKV_T *const *q, const pkv_kvec *e, size_t stride,      \
+                                     int d, PKV_VEC *out, pkv_pfs *ps) {                           \
+        PKV_VEC acc[DS][R][NV];                                                                    \
+        const PKV_S *kp[NV];                                                                       \
+        for (int v = 0; v < NV; v++) kp[v] = (const PKV_S *)e[v].k;                                \
+        for (int u = 0; u < DS; u++)                                                               \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int v = 0; v < NV; v++) acc[u][r][v] = PKV_VZERO();                           \
+        PKV_PFS_BEGIN(ps)                                                                          \
+        for (int i0 = 0; i0 < d; i0 += PKV_KGROUP) {                                               \
+            const int i1 = d - i0 < PKV_KGROUP ? d : i0 + PKV_KGROUP;                              \
+            PKV_SC_GROUP_SCALES(NV)                                                                \
+            int i = i0;                                                                            \
+            PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, i1)                                \
+        }                                                                                          \
+        PKV_PFS_END(ps)                                                                            \
+        PKV_MK_REDUCE(acc, R, NV, DS, PKV_SC_PUT)                                                  \
+    }
+/* key vector v at dimension k, query row r's value there, and a row's result */
+#define PKV_SC_K(v, k) PKV_SC_LOADK(kp[v] + (size_t)(k) * stride, v)
+#define PKV_SC_Q(r, k) q[r][k]
+#define PKV_SC_PUT(r, v, nv, t) out[r * nv + v] = t
+
+#if PKV_STORE_SCALED
+#define PKV_SC_GROUP_SCALES(NV)                                                             \
+    PKV_VEC scv[NV];                                                                        \
+    for (int v = 0; v < NV; v++) scv[v] = PKV_LDSC(e[v].sc + (size_t)(i0 / PKV_I8_GROUP) * stride);
+#define PKV_SC_LOADK(p, v) PKV_VMUL(PKV_SLOAD(p), scv[v])
+#else
+#define PKV_SC_GROUP_SCALES(NV)
+#define PKV_SC_LOADK(p, v) PKV_SLOAD(p)
+#endif
+
+/* The register tiles of a micro-kernel MK(NAME, R, NV, DS), named pfx_4xn,
+ * pfx_4x1, pfx_1xn, pfx_1x1: 4 or 1 rows x NV or 1 vectors, and DS
+ * independent sets of accumulators (over alternate dimensions for scores,
+ * alternate keys for P.V) where the tile alone would give fewer than 8
+ * chains of multiply-adds (the FMA latency x the FMA units). */
+#define PKV_REGISTER_TILES(MK, pfx, NV) \
+    MK(pfx##_4xn, 4, NV, 1)             \
+    MK(pfx##_4x1, 4, 1, 2)              \
+    MK(pfx##_1xn, 1, NV, 2)             \
+    MK(pfx##_1x1, 1, 1, 4)
+
+PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
+#undef PKV_SC_GROUP_SCALES
+#undef PKV_SC_LOADK
+#undef PKV_SC_K
+#undef PKV_SC_Q
+#undef PKV_SC_PUT
+
+/* Scatter a result vector's valid lanes [lo, hi) to row s at column col. */
+static inline void PKV_KFN(put_lanes)(PKV_T *restrict s, const pkv_kvec *e, PKV_VEC x) {
+    if (e->lo == 0 && e->hi == PKV_W) {
+        PKV_VSTORE(s + e->col, x);
+    } else {
+        PKV_T t[PKV_W];
+        PKV_VSTORE(t, x);
+        for (int l = e->lo; l < e->hi; l++) s[e->col + l] = t[l];
+    }
+}
+
+/* Scores of rows[0, na) of q (one head, rows d apart) against the key
+ * vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
+ * group of two or three repeats its first row and drops the extra results:
+ * one pass over the keys costs less than a pass per row); a single row
+ * (multi-head attention decode) has its own tile. */
+static inline void PKV_KFN(tile_scores)(const PKV_T *restrict q, const int *rows, int na,
+                                        const pkv_kvec *e, int ne, size_t stride, int d,
+                                        PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
+    PKV_VEC res[4 * PKV_SC_NV];
+    if (na == 1) {
+        const PKV_T *qr = q + (size_t)rows[0] * d;
+        int v = 0;
+        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+            PKV_KFN(sc_1xn)(&qr, e + v, stride, d, res, ps);
+            for (int u = 0; u < PKV_SC_NV; u++) PKV_KFN(put_lanes)(sbuf, e + v + u, res[u]);
+        }
+        for (; v < ne; v++) {
+            PKV_KFN(sc_1x1)(&qr, e + v, stride, d, res, ps);
+            PKV_KFN(put_lanes)(sbuf, e + v, res[0]);
+        }
+        return;
+    }
+    /* key vectors outer, row groups inner: the NV key vectors' K^T slices stay in
+     * L1 while every group of rows reuses them (see tile_values) */
+    const int ngr = (na + 3) / 4;
+    const PKV_T *qr[PKV_MAX_ROWS + 4];
+    for (int a = 0; a < ngr * 4; a++) /* a short last group repeats its first row */
+        qr[a] = q + (size_t)rows[a < na ? a : a - a % 4] * d;
+    int v = 0;
+    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            PKV_KFN(sc_4xn)(qr + 4 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++)
+                for (int u = 0; u < PKV_SC_NV; u++)
+                    PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+        }
+    for (; v < ne; v++)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            PKV_KFN(sc_4x1)(qr + 4 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
+        }
+}
+
+/* Scores of one key at a time, for blocks narrower than a vector (bs < PKV_W):
+ * key slot j of K^T kt is kt[i * stride + j]. */
+static inline void PKV_KFN(narrow_scores)(const PKV_T *restrict q, const int *rows, int na,
+                                          const PKV_S *restrict kt, const float *restrict ksc,
+                                          size_t stride, int off, int n, int col, int d,
+                                          PKV_T *restrict sbuf, int ldc) {
+    for (int a = 0; a < na; a++) {
+        const PKV_T *qi = q + (size_t)rows[a] * d;
+        for (int j = off; j < off + n; j++) {
+            PKV_T s = 0;
+#if PKV_STORE_SCALED
+            for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {
+                const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;
+                PKV_T g = 0;
+                for (int i = i0; i < i1; i++) g += qi[i] * PKV_SGET(kt + (size_t)i * stride + j);
+                s += g * (PKV_T)ksc[(size_t)(i0 / PKV_I8_GROUP) * stride + j];
+            }
+#else
+            (void)ksc;
+            for (int i = 0; i < d; i++) s += qi[i] * PKV_SGET(kt + (size_t)i * stride + j);
+#endif
+            sbuf[(size_t)a * ldc + col + (j - off)] = s;
+        }
+    }
+}
+
+/* One run of a tile: n keys from slot `off` of one block-head. */
+typedef struct {
+    const PKV_S *k, *v;     /* K^T / V of the head in the block (slot 0) */
+    const float *ksc, *vsc; /* int8: the head's scales in the block ([group][slot]) */
+    int off, n, col;        /* slots [off, off + n) -> tile columns [col, col + n) */
+} PKV_KFN(run_t);
+
+/* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]. */
+#define PKV_PV_MK(NAME, R, NV, JS)                                                                 \
+    static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
+                                     const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
+                                     pkv_pfs *ps) {                                                \
+        PKV_VEC acc[JS][R][NV];                                                                    \
+        for (int r = 0; r < R; r++) {                                                              \
+            const PKV_VEC al = PKV_VSET1(alpha[r]);                                                \
+            for (int v = 0; v < NV; v++) {                                                         \
+                acc[0][r][v] = PKV_VMUL(PKV_VLOAD(y[r] + i + v * PKV_W), al);                      \
+                for (int u = 1; u < JS; u++) acc[u][r][v] = PKV_VZERO();                           \
+            }                                                                                      \
+        }                                                                                          \
+        PKV_PFS_BEGIN(ps)                                                                          \
+        for (int ru = 0; ru < nr; ru++) {                                                          \
+            const PKV_S *vr = runs[ru].v + (size_t)runs[ru].off * d + i;                           \
+            const int n = runs[ru].n, col = runs[ru].col;                                          \
+            PKV_PV_SCALES(NV)                                                                      \
+            int j = 0;                                                                             \
+            PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V, PKV_PV_P, j, n)                                 \
+        }                                                                                          \
+        PKV_PFS_END(ps)                                                                            \
+        PKV_MK_REDUCE(acc, R, NV, JS, PKV_PV_PUT)                                                  \
+    }
+/* output vector v of V row k of the run, row r's weight of that key, and the
+ * updated output vector */
+#define PKV_PV_V(v, k) PKV_PV_LOADV(vr + (size_t)(k) * d + v * PKV_W, v, k)
+#define PKV_PV_P(r, k) p[r][col + k]
+#define PKV_PV_PUT(r, v, nv, t) PKV_VSTORE(y[r] + i + v * PKV_W, t)
+
+#if PKV_STORE_SCALED
+/* a vector of PKV_W dimensions lies in one scale group (PKV_W divides PKV_I8_GROUP) */
+#define PKV_PV_SCALES(NV)                                                                   \
+    const float *vs[NV];                                                                    \
+    for (int v = 0; v < NV; v++)                                                            \
+        vs[v] = runs[ru].vsc + (size_t)((i + v * PKV_W) / PKV_I8_GROUP) * bs + runs[ru].off;
+#define PKV_PV_LOADV(p, v, j) PKV_VMUL(PKV_SLOAD(p), PKV_VSET1((PKV_T)vs[v][j]))
+#else
+#define PKV_PV_SCALES(NV) (void)bs;
+#define PKV_PV_LOADV(p, v, j) PKV_SLOAD(p)
+#endif
+
+PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
+#undef PKV_PV_SCALES
+#undef PKV_PV_LOADV
+#undef PKV_PV_V
+#undef PKV_PV_P
+#undef PKV_PV_PUT
+
+/* one stored V value as PKV_T (dimension i of slot j of a run) */
+static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t bs, int d) {
+    const PKV_T x = PKV_SGET(u->v + (size_t)(u->off + j) * d + i);
+#if PKV_STORE_SCALED
+    return x * (PKV_T)u->vsc[(size_t)(i / PKV_I8_GROUP) * bs + u->off + j];
+#else
+    (void)bs;
+    return x;
+#endif
+}
+
+/* acc rows = acc * alpha + P . V over the tile's runs; rows as in
+ * tile_scores (a short last group writes its extra rows to `spare`, d
+ * values of scratch).  The dimension chunk is the outer loop and the row
+ * groups the inner one, so the chunk's V slice (the tile's keys x NV
+ * vectors) is reused by every group of rows while it is in L1: with the row
+ * groups outer, a prefill tile (64 rows) read the whole V tile from L2 once
+ * per group (AVX2, D=64: prefill 13% faster this way; the same at D=128). */
+static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, int na,
+                                        const PKV_T *restrict p, int ldc, const PKV_T *restrict alpha,
+                                        const PKV_KFN(run_t) *runs, int nr, size_t bs, int d,
+                                        PKV_T *restrict spare, pkv_pfs *ps) {
+    const int R = na == 1 ? 1 : 4, ngr = (na + R - 1) / R;
+    PKV_T *y[PKV_MAX_ROWS + 4];
+    const PKV_T *pr[PKV_MAX_ROWS + 4];
+    PKV_T al[PKV_MAX_ROWS + 4];
+    for (int a = 0; a < ngr * R; a++) {
+        if (a < na) {
+            y[a] = acc + (size_t)rows[a] * d;
+            pr[a] = p + (size_t)a * ldc;
+            al[a] = alpha[a];
+        } else { /* padding rows of a short last group: results dropped */
+            y[a] = spare;
+            pr[a] = p + (size_t)(a - a % R) * ldc;
+            al[a] = 0;
+        }
+    }
+    if (ngr * R > na) memset(spare, 0, sizeof(PKV_T) * (size_t)d);
+    int i = 0;
+    if (R == 4) {
+        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W)
+            for (int g = 0; g < ngr; g++)
+                PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
+        for (; i + PKV_W <= d; i += PKV_W)
+            for (int g = 0; g < ngr; g++)
+                PKV_KFN(pv_4x1)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
+    } else {
+        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W)
+            PKV_KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i, ps);
+        for (; i + PKV_W <= d; i += PKV_W) PKV_KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i, ps);
+    }
+    for (; i < d; i++) /* dimensions past the last whole vector */
+        for (int r = 0; r < na; r++) {
+            PKV_T s = y[r][i] * al[r];
+            for (int u = 0; u < nr; u++)
+                for (int j = 0; j < runs[u].n; j++)
+                    s += pr[r][runs[u].col + j] * PKV_KFN(vget)(runs + u, j, i, bs, d);
+            y[r][i] = s;
+        }
+}
+
+/* The tile's keys of one head rotated by RoPE at ranks r0 + column, into
+ * kbuf [d][ks] of the compute type (ks >= the tile's keys, a multiple of PKV_W). */
+static inline void PKV_KFN(rope_tile)(PKV_T *restrict kbuf, int ks, const PKV_KFN(run_t) *runs, int nr,
+                                      size_t bs, int64_t r0, const pkv_rope *rope, int d) {
+    const int half = rope->half;
+    const int64_t mp = rope->max_pos;
+    const PKV_T *ct = (const PKV_T *)rope->cos_t, *st = (const PKV_T *)rope->sin_t;
+    for (int u = 0; u < nr; u++) {
+        const PKV_KFN(run_t) *ru = runs + u;
+        const int n = ru->n;
+        for (int i = 0; i < d; i++) {
+            if (i >= half && i < 2 * half) continue; /* written with their partner i - half */
+            const PKV_S *x0 = ru->k + (size_t)i * bs + ru->off;
+            PKV_T *y0 = kbuf + (size_t)i * ks + ru->col;
+#if PKV_STORE_SCALED
+            const float *s0 = ru->ksc + (size_t)(i / PKV_I8_GROUP) * bs + ru->off;
+#define PKV_KX(p, sp, j) PKV_VMUL(PKV_SLOAD((p) + (j)), PKV_LDSC((sp) + (j)))
+#define PKV_KXS(p, sp, j) (PKV_SGET((p) + (j)) * (PKV_T)(sp)[j])
+#else
+            const float *s0 = NULL;
+            (void)s0;
+#define PKV_KX(p, sp, j) PKV_SLOAD((p) + (j))
+#define PKV_KXS(p, sp, j) PKV_SGET((p) + (j))
+#endif
+            if (i >= half) { /* past the rotary dimensions: copied */
+                int j = 0;
+                for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(y0 + j, PKV_KX(x0, s0, j));
+                for (; j < n; j++) y0[j] = PKV_KXS(x0, s0, j);
+                continue;
+            }
+            const PKV_S *x1 = x0 + (size_t)half * bs;
+            PKV_T *y1 = y0 + (size_t)half * ks;
+#if PKV_STORE_SCALED
+            const float *s1 = ru->ksc + (size_t)((i + half) / PKV_I8_GROUP) * bs + ru->off;
+#else
+            const float *s1 = NULL;
+            (void)s1;
+#endif
+            const PKV_T *c = ct + (size_t)i * mp + r0 + ru->col;
+            const PKV_T *s = st + (size_t)i * mp + r0 + ru->col;
+            int j = 0;
+            for (; j + PKV_W <= n; j += PKV_W) {
+                const PKV_VEC a = PKV_KX(x0, s0, j), b = PKV_KX(x1, s1, j);
+                const PKV_VEC cv = PKV_VLOAD(c + j), sv = PKV_VLOAD(s + j);
+                PKV_VSTORE(y0 + j, PKV_VSUB(PKV_VMUL(a, cv), PKV_VMUL(b, sv)));
+                PKV_VSTORE(y1 + j, PKV_VFMA(a, sv, PKV_VMUL(b, cv)));
+            }
+            for (; j < n; j++) {
+                const PKV_T a = PKV_KXS(x0, s0, j), b = PKV_KXS(x1, s1, j);
+                y0[j] = a * c[j] - b * s[j];
+                y1[j] = b * c[j] + a * s[j];
+            }
+#undef PKV_KX
+#undef PKV_KXS
+        }
+    }
+}
+
+/* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
+ * long, stride >= PKV_W) into sh [na][ldc].  Key vectors are gathered across
+ * runs so a register tile takes PKV_SC_NV of them even when a block holds
+ * one vector's worth of keys. */
+static inline void PKV_KFN(score_runs)(const PKV_T *restrict qh, const int *rows, int na,
+                                       const PKV_KFN(run_t) *runs, int cnt, size_t stride, int d,
+                                       PKV_T *restrict sh, int ldc, pkv_pfs *ps) {
+    pkv_kvec ents[PKV_MAX_KVECS];
+    int ne = 0;
+    for (int u = 0; u < cnt; u++) {
+        for (int p0 = 0; p0 < runs[u].n; p0 += PKV_TILE_KEYS) {
+            const int n = runs[u].n - p0 < PKV_TILE_KEYS ? runs[u].n - p0 : PKV_TILE_KEYS;
+            if (ne + PKV_TILE_KEYS / PKV_W + 1 > PKV_MAX_KVECS) {
+                PKV_KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc, ps);
+                ne = 0;
+            }
+            ne += pkv_kvecs_of(ents + ne, runs[u].k, sizeof(PKV_S), runs[u].ksc, stride,
+                               runs[u].off + p0, n, runs[u].col + p0, PKV_W);
+        }
+    }
+    if (ne) PKV_KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc, ps);
+}
+
+/* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
+ * (n columns at ranks r, r + 1, ...).  Row i sees ranks (lim[i] - window,
+ * lim[i]] (window 0: [0, lim[i]]), at least one of them in this tile (the
+ * caller selects the rows); softcap > 0 caps the visible scores first. */
+static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
+                                         const int64_t *lim, int64_t r, int n, int64_t window,
+                                         PKV_T softcap, double *m, double *l, PKV_T *restrict alpha) {
+    for (int a = 0; a < na; a++, s += ldc) {
+        const int i = rows[a];
+        const int64_t c64 = lim[i] - r + 1;
+        const int cnt = c64 < n ? (int)c64 : n;
+        const int64_t s64 = pkv_window_lo(lim[i], window) - r;
+        const int st = s64 > 0 ? (int)s64 : 0;
+        PKV_T *sv = s + st;
+        if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
+        const PKV_T mx = PKV_FN(row_max)(sv, cnt - st);
+        const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
+        const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : PKV_FN(sexp)((PKV_T)(m[i] - m_new));
+        const double psum = PKV_FN(exp_shift)(sv, cnt - st, (PKV_T)m_new);
+        for (int j = 0; j < st; j++) s[j] = 0;  /* before the window */
+        for (int j = cnt; j < n; j++) s[j] = 0; /* causally masked */
+        l[i] = l[i] * (double)al + psum;
+        m[i] = m_new;
+        alpha[a] = al;
+    }
+}

@@ -1,0 +1,82 @@
+/* pagedkv/prefetch.h -- the kernels' software prefetch cursor.
+ *
+ * A work item of decode reads its blocks a tile at a time in units: the K
+ * slices (one head of one block, hstride bytes) of the tile's blocks for
+ * head 0, 1, ..., then their V slices head after head, then the next tile.
+ * While the kernel works on a unit it can prefetch the next one, a few lines
+ * per step of its inner loop (the next tile's blocks may be anywhere in the
+ * pool, where no hardware prefetcher looks), so the requests are spread over
+ * the unit's arithmetic instead of issued in a burst.  attn_item.h says which
+ * units it prefetches.
+ *
+ * Measured with benchmarks/c/decode_ceiling.c (this AMD EPYC, AVX-512, f32
+ * B=8 L=2048, 1 thread, decode CPU time as % of the pattern read's, paired):
+ * one unit ahead 62-66%, two 55-59%, three 55-58%, a whole phase (the next
+ * tile's K while V is read, and so on) 58-63%; every line 62-73%, every
+ * other line 48-50%, every fourth 52%; into L1 (prefetcht0) 62%, into L2
+ * 55-57%; 4 lines per step 62-67%, 2 lines 66%, 8 lines 57%.
+ */
+#pragma once
+#include <stddef.h>
+
+#define PKV_PF_STRIDE 64  /* every line */
+#define PKV_PF_LOCALITY 3 /* into L1 */
+typedef struct {
+    /* the next unit's slices (a tile has at most PKV_TILE_KEYS = 64 blocks, attn_args.h) */
+    const char *p[64];
+    int n, cur;        /* slices; the one being prefetched */
+    size_t len;        /* bytes per slice */
+    const char *at, *end; /* next line to prefetch in slice cur, and its end */
+} pkv_pfs;
+
+/* A kernel's inner loop steps a local copy (kept in registers) and writes it
+ * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP; } PKV_PFS_END(ps);
+ * A step issues PKV_PF_LINES lines (the units' slices are whole multiples of
+ * that in the common geometries; a step may run a little past a slice's end,
+ * which a prefetch tolerates), with one branch when nothing is left. */
+#ifndef PKV_PF_LINES
+#define PKV_PF_LINES 4
+#endif
+#define PKV_PFS_BEGIN(ps)                                                          \
+    pkv_pfs *pf_s_ = (ps);                                                         \
+    const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL;
+#define PKV_PFS_STEP                                                               \
+    if (pf_at_ < pf_end_) {                                                        \
+        for (int pf_i_ = 0; pf_i_ < PKV_PF_LINES; pf_i_++)                         \
+            __builtin_prefetch(pf_at_ + pf_i_ * PKV_PF_STRIDE, 0, PKV_PF_LOCALITY); \
+        pf_at_ += PKV_PF_LINES * PKV_PF_STRIDE;                                    \
+        if (pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);             \
+    }
+#define PKV_PFS_END(ps)                                                            \
+    if (pf_s_) {                                                                   \
+        pf_s_->at = pf_at_;                                                        \
+        pf_s_->end = pf_end_;                                                      \
+    }
+
+/* move on to the next slice (none left: an empty range) */
+static inline void pkv_pfs_next(pkv_pfs *s, const char **at, const char **end) {
+    if (s->cur + 1 < s->n) {
+        s->cur++;
+        *at = s->p[s->cur];
+        *end = *at + s->len;
+    } else {
+        *at = *end; /* done: at == end stops the steps */
+    }
+}
+
+static inline void pkv_pfs_start(pkv_pfs *s) {
+    s->cur = 0;
+    s->at = s->n ? s->p[0] : NULL;
+    s->end = s->n ? s->p[0] + s->len : NULL;
+}
+
+/* issue whatever the steps left (the unit ended before its estimate) */
+static inline void pkv_pfs_finish(pkv_pfs *s) {
+    const char *at = s->at, *end = s->end;
+    while (at < end) {
+        for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, PKV_PF_LOCALITY);
+        pkv_pfs_next(s, &at, &end);
+    }
+    s->at = at;
+    s->end = end;
+}

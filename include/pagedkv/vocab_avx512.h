@@ -1,0 +1,69 @@
+/* pagedkv/vocab_avx512.h -- the SIMD vocabulary (names: vocab_scalar.h) on
+ * AVX-512 F + DQ + BW + VL: 512-bit registers, 16 float / 8 double lanes;
+ * horizontal sums and maxima and 2^k are single intrinsics.  Built without
+ * -m flags: attention.h instantiates the kernels between
+ * PKV_TARGET_BEGIN(PKV_AVX512_TARGET) and PKV_TARGET_END.
+ *
+ * Included by attention.h with PKV_T_F64 defined (0: float, 1: double) and
+ * undone by attn_vocab_end.h, once per compute type.
+ */
+#include "simd.h"
+#if !PKV_X86
+#error "vocab_avx512.h: x86-64 only"
+#endif
+#include "vocab_x86.h"
+
+#define PKV_AVX512_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c"
+
+#if PKV_T_F64
+#define PKV_T double
+#define PKV_TAG _f64_avx512
+#define PKV_VEC __m512d
+#define PKV_W 8
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
+#define PKV_VLOAD(p) _mm512_loadu_pd(p)
+#define PKV_VSTORE(p, x) _mm512_storeu_pd(p, x)
+#define PKV_VSET1(s) _mm512_set1_pd(s)
+#define PKV_VZERO() _mm512_setzero_pd()
+#define PKV_VADD(a, b) _mm512_add_pd(a, b)
+#define PKV_VSUB(a, b) _mm512_sub_pd(a, b)
+#define PKV_VMUL(a, b) _mm512_mul_pd(a, b)
+#define PKV_VDIV(a, b) _mm512_div_pd(a, b)
+#define PKV_VMAX(a, b) _mm512_max_pd(a, b)
+#define PKV_VMIN(a, b) _mm512_min_pd(a, b)
+#define PKV_VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
+#define PKV_VREDUCE(x) _mm512_reduce_add_pd(x)
+#define PKV_VHMAX(x) _mm512_reduce_max_pd(x)
+#define PKV_VROUND(x) _mm512_roundscale_pd(x, PKV_RN)
+#define PKV_VSCALE2K(p, k) _mm512_scalef_pd(p, k)
+#define PKV_LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+#define PKV_LD_BF16(p) _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
+#define PKV_LD_F16(p) _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#define PKV_LD_I8(p) _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#else
+#define PKV_T float
+#define PKV_TAG _f32_avx512
+#define PKV_VEC __m512
+#define PKV_W 16
+#define PKV_SC_NV 4
+#define PKV_PV_NV 4
+#define PKV_VLOAD(p) _mm512_loadu_ps(p)
+#define PKV_VSTORE(p, x) _mm512_storeu_ps(p, x)
+#define PKV_VSET1(s) _mm512_set1_ps(s)
+#define PKV_VZERO() _mm512_setzero_ps()
+#define PKV_VADD(a, b) _mm512_add_ps(a, b)
+#define PKV_VSUB(a, b) _mm512_sub_ps(a, b)
+#define PKV_VMUL(a, b) _mm512_mul_ps(a, b)
+#define PKV_VDIV(a, b) _mm512_div_ps(a, b)
+#define PKV_VMAX(a, b) _mm512_max_ps(a, b)
+#define PKV_VMIN(a, b) _mm512_min_ps(a, b)
+#define PKV_VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PKV_VREDUCE(x) _mm512_reduce_add_ps(x)
+#define PKV_VHMAX(x) _mm512_reduce_max_ps(x)
+#define PKV_VROUND(x) _mm512_roundscale_ps(x, PKV_RN)
+#define PKV_VSCALE2K(p, k) _mm512_scalef_ps(p, k)
+#define PKV_LD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define PKV_LD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define PKV_LD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#endif
