@@ -25,8 +25,8 @@ import numpy as np
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        closing, load_torch)
 from pagedkv.benchmarks.decode import shape
-from pagedkv.benchmarks.report import (fmt_bytes, fmt_ratio, fmt_time, grouped, results_of,
-                                       section, short_dtype, timed_cells)
+from pagedkv.benchmarks.report import (fmt_bytes, fmt_ratio, fmt_time, grouped, impl_rows,
+                                       results_of, section, short_dtype, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratios
 
 TORCH = "torch"
@@ -191,19 +191,16 @@ def report(settings: Settings, recs: List[dict]) -> str:
             "tracemalloc).")
     rows = []
     for r in recs:
-        sub = []
-        for name in (PAGEDKV, NUMPY, TORCH):
-            res = r["results"].get(name)
-            if res is None:
-                sub.append([name, "n/a", "", "", "", ""])
-                continue
+        def cells(name, res, r=r):
             a = res["tracemalloc"]
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            sub.append([name, *timed_cells(res), fmt_time(res["median_s"] / r["B"]),
-                        f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
-                        f" ({a['calls']:,} calls)", speed])
+            return [name, *timed_cells(res), fmt_time(res["median_s"] / r["B"]),
+                    f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
+                    f" ({a['calls']:,} calls)", speed]
+
         call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
-        rows += grouped([short_dtype(r["dtype"]), call], sub)
+        rows += grouped([short_dtype(r["dtype"]), call],
+                        impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
     right = [False, False, False, True, True, True, True, True]
     return section(head, ["dtype", "call", "impl", "per call", "spread", "per token",
                           "alloc peak / net", "pagedkv speedup"], rows, right)

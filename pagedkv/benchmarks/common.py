@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -162,19 +163,25 @@ def load_torch(settings: Settings):
     return torch
 
 
-def load_hf(settings: Settings, suite: str):
-    """The torch and transformers modules (``pagedkv.integrations.hf`` imported too), or
-    None after a note that the suite is skipped."""
-    try:
-        import torch  # noqa: PLC0415 - optional extra
-        import transformers  # noqa: PLC0415
+def needs_hf(suite: str):
+    """Decorates a suite's ``run(settings, torch, transformers)`` into ``run(settings)`` that
+    imports torch, transformers and ``pagedkv.integrations.hf`` first, and where they are
+    missing notes that the suite is skipped and returns its one "not available" record."""
+    def wrap(run):
+        @functools.wraps(run)
+        def run_suite(settings: Settings) -> List[dict]:
+            try:
+                import torch  # noqa: PLC0415 - optional extra
+                import transformers  # noqa: PLC0415
 
-        import pagedkv.integrations.hf  # noqa: F401, PLC0415
-    except ImportError:
-        settings.note(f"{suite} suite skipped: transformers and torch are not installed "
-                      "(pip install 'pagedkv[hf]')")
-        return None
-    return torch, transformers
+                import pagedkv.integrations.hf  # noqa: F401, PLC0415
+            except ImportError:
+                settings.note(f"{suite} suite skipped: transformers and torch are not installed "
+                              "(pip install 'pagedkv[hf]')")
+                return [{"suite": suite, "available": False}]
+            return run(settings, torch, transformers)
+        return run_suite
+    return wrap
 
 
 class ThreadScope:

@@ -61,7 +61,7 @@ import numpy as np
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        check_close, closing, load_torch, rel_error)
 from pagedkv.benchmarks.report import (fmt_bytes, fmt_num, fmt_pct, fmt_ratio, grouped,
-                                       results_of, section, short_dtype, timed_cells)
+                                       impl_rows, results_of, section, short_dtype, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, timed_once
 
 GATHER = "numpy-gather"
@@ -555,21 +555,19 @@ def report(settings: Settings, recs: List[dict]) -> str:
             + ("\n" + peak if peak else ""))
     rows = []
     for r in recs:
-        sub = []
-        for name in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", [])):
-            res = r["results"].get(name)
-            if res is None:
-                if name == TORCH or name in r["skipped"]:
-                    why = "skipped" if name in r["skipped"] else "n/a"
-                    sub.append([name, why, "", "", "", "", "", ""])
-                continue
+        def cells(name, res, r=r):
             speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
             pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
             flops = "" if name == PATTERN else fmt_num(res["gflops"])
-            sub.append([name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]),
-                        pat, flops, speed])
+            return [name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
+                    flops, speed]
+
+        # a missing implementation gets a row only if torch or skipped
+        names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", []))
+                 if n in r["results"] or n == TORCH or n in r["skipped"]]
         rows += grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])],
-                        sub)
+                        impl_rows(r, names, cells, 8,
+                                  lambda n, r=r: "skipped" if n in r["skipped"] else "n/a"))
     right = [False, True, True, True, False, True, True, True, True, True, True, True]
     main = section(head, ["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
                           "%BW", "%pat", "GFLOP/s", "pagedkv speedup"], rows, right)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pagedkv.benchmarks.common import BLOCK_SIZE, PAGEDKV, Settings, ThreadScope, load_hf
+from pagedkv.benchmarks.common import BLOCK_SIZE, PAGEDKV, Settings, ThreadScope, needs_hf
 from pagedkv.benchmarks.report import fmt_ratio, fmt_time, section
 from pagedkv.benchmarks.timing import median, paired_median, round_order, timed_call
 
@@ -85,11 +85,8 @@ def _impl(storage: str) -> str:
     return PAGEDKV if storage == "float32" else f"{PAGEDKV}-{storage}"
 
 
-def run(settings: Settings) -> List[dict]:
-    mods = load_hf(settings, "hf")
-    if mods is None:
-        return [{"suite": "hf", "available": False}]
-    torch, transformers = mods
+@needs_hf("hf")
+def run(settings: Settings, torch, transformers) -> List[dict]:
     from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
 
     DynamicCache, LlamaConfig = transformers.DynamicCache, transformers.LlamaConfig

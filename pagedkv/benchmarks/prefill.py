@@ -27,8 +27,8 @@ import numpy as np
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        check_close, load_torch)
 from pagedkv.benchmarks.decode import Shape, shape
-from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, results_of, section,
-                                       short_dtype, timed_cells)
+from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
+                                       section, short_dtype, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratios, timed_once
 
 TORCH = "torch-sdpa"
@@ -218,19 +218,14 @@ def report(settings: Settings, recs: List[dict]) -> str:
             "numpy computes the full square then masks it.")
     rows = []
     for r in recs:
-        sub = []
-        for name in (PAGEDKV, NUMPY, TORCH):
-            res = r["results"].get(name)
-            if res is None:
-                sub.append([name, "skipped" if name in r.get("skipped", ()) else "n/a",
-                            "", "", ""])
-                continue
-            label = name
-            if name == TORCH:
-                label = res["variant"].replace("torch-sdpa", "torch-sdpa ")
+        def cells(name, res, r=r):
+            label = res["variant"].replace("torch-sdpa", "torch-sdpa ") if name == TORCH else name
             speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            sub.append([label, *timed_cells(res), fmt_num(res["gflops"]), speed])
-        rows += grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])], sub)
+            return [label, *timed_cells(res), fmt_num(res["gflops"]), speed]
+
+        rows += grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])],
+                        impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 5,
+                                  lambda n, r=r: "skipped" if n in r.get("skipped", ()) else "n/a"))
     right = [False, True, True, False, True, True, True, True]
     return section(head, ["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
                           "pagedkv speedup"], rows, right)

@@ -108,6 +108,18 @@ def grouped(cfg: Sequence[str], rows: Sequence[Sequence[str]]) -> List[List[str]
     return [list(cfg if i == 0 else [""] * len(cfg)) + list(row) for i, row in enumerate(rows)]
 
 
+def impl_rows(rec: dict, names: Sequence[str], cells: Callable[[str, dict], List[str]],
+              ncols: int, why: Callable[[str], str] = lambda name: "n/a") -> List[List[str]]:
+    """A record's rows, one per implementation: ``cells(name, result)`` where it was
+    measured, else its name, ``why(name)`` and blanks (`ncols` cells in all)."""
+    rows = []
+    for name in names:
+        res = rec["results"].get(name)
+        rows.append(cells(name, res) if res is not None
+                    else [name, why(name)] + [""] * (ncols - 2))
+    return rows
+
+
 # ---------------------------------------------------------------------------
 # JSON rows
 

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pagedkv.benchmarks.common import BLOCK_SIZE, Settings, ThreadScope, load_hf
+from pagedkv.benchmarks.common import BLOCK_SIZE, Settings, ThreadScope, needs_hf
 from pagedkv.benchmarks.report import fmt_bytes, fmt_ratio, section
 from pagedkv.benchmarks.timing import median, paired_median, round_order
 
@@ -214,11 +214,8 @@ def _run_one_by_one(model, prompts, arrivals, new) -> dict:
     return dict(tokens=tokens, end=time.perf_counter() - t0, ttft=ttft)
 
 
-def run(settings: Settings) -> List[dict]:
-    mods = load_hf(settings, "serve")
-    if mods is None:
-        return [{"suite": "serve", "available": False}]
-    torch, transformers = mods
+@needs_hf("serve")
+def run(settings: Settings, torch, transformers) -> List[dict]:
     GenerationConfig, LlamaConfig = transformers.GenerationConfig, transformers.LlamaConfig
     LlamaForCausalLM = transformers.LlamaForCausalLM
     threads = max(settings.threads)
