@@ -297,31 +297,27 @@ class ContinuousBatcher:
         return rid
 
     def _token_list(self, ids, what: str) -> List[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if isinstance(ids, (list, tuple)):
+            out = list(ids)
+            for t in out:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"{what} must hold integer token ids, got "
+                                     f"{type(t).__name__} {t!r}")
+            out = [int(t) for t in out]
+        else:  # a tensor or an array: integer ids, 1-D or [1, n]
+            if isinstance(ids, torch.Tensor):
+                bad_dtype = (ids.dtype.is_floating_point or ids.dtype.is_complex
+                             or ids.dtype == torch.bool)
+            else:
+                ids = np.asarray(ids)
+                bad_dtype = ids.dtype.kind not in "iu"
+            if bad_dtype:
                 raise ValueError(f"{what} must hold integer token ids, got {ids.dtype}")
             if ids.ndim == 2 and ids.shape[0] == 1:
                 ids = ids[0]
             if ids.ndim != 1:
                 raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {tuple(ids.shape)}")
             out = ids.tolist()
-        else:
-            arr = np.asarray(ids) if not isinstance(ids, (list, tuple)) else None
-            if arr is not None:
-                if arr.dtype.kind not in "iu":
-                    raise ValueError(f"{what} must hold integer token ids, got {arr.dtype}")
-                if arr.ndim == 2 and arr.shape[0] == 1:
-                    arr = arr[0]
-                if arr.ndim != 1:
-                    raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {arr.shape}")
-                out = arr.tolist()
-            else:
-                out = list(ids)
-                for t in out:
-                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                        raise ValueError(f"{what} must hold integer token ids, got "
-                                         f"{type(t).__name__} {t!r}")
-                out = [int(t) for t in out]
         bad = [t for t in out if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what} holds {bad[0]}, outside the vocabulary "
