@@ -26,7 +26,7 @@ from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, Thr
                                        closing, load_torch)
 from pagedkv.benchmarks.decode import shape
 from pagedkv.benchmarks.report import (fmt_bytes, fmt_ratio, fmt_time, grouped, impl_rows,
-                                       results_of, section, short_dtype, timed_cells)
+                                       results_of, short_dtype, suite_section, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratios
 
 TORCH = "torch"
@@ -180,27 +180,27 @@ def _record(case: _Case, sh, timings, allocs) -> dict:
             "bytes_per_call": case.token_bytes, "results": results, "ratios": ratios}
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == "append"]
-    if not recs:
-        return ""
-    r0 = recs[0]
-    head = (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
+def _head(r0: dict) -> str:
+    return (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
             f"Allocation = tracemalloc peak / net bytes over\n{r0['alloc_tokens']:,} "
             "appended tokens (number of calls shown; torch's C++ allocator is invisible to "
             "tracemalloc).")
-    rows = []
-    for r in recs:
-        def cells(name, res, r=r):
-            a = res["tracemalloc"]
-            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            return [name, *timed_cells(res), fmt_time(res["median_s"] / r["B"]),
-                    f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
-                    f" ({a['calls']:,} calls)", speed]
 
-        call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
-        rows += grouped([short_dtype(r["dtype"]), call],
-                        impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
-    right = [False, False, False, True, True, True, True, True]
-    return section(head, ["dtype", "call", "impl", "per call", "spread", "per token",
-                          "alloc peak / net", "pagedkv speedup"], rows, right)
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        a = res["tracemalloc"]
+        speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+        return [name, *timed_cells(res), fmt_time(res["median_s"] / r["B"]),
+                f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
+                f" ({a['calls']:,} calls)", speed]
+
+    call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
+    return grouped([short_dtype(r["dtype"]), call], impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    return suite_section(recs, "append", _head,
+                         ["dtype", "call", "impl", "per call", "spread", "per token",
+                          "alloc peak / net", "pagedkv speedup"], _rows,
+                         [False, False, False, True, True, True, True, True])

@@ -61,7 +61,8 @@ import numpy as np
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        check_close, closing, load_torch, rel_error)
 from pagedkv.benchmarks.report import (fmt_bytes, fmt_num, fmt_pct, fmt_ratio, grouped,
-                                       impl_rows, results_of, section, short_dtype, timed_cells)
+                                       impl_rows, results_of, short_dtype, suite_section,
+                                       timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, timed_once
 
 GATHER = "numpy-gather"
@@ -513,38 +514,32 @@ def _peak_line(recs: List[dict]) -> str:
                         for r in peaks) + ".")
 
 
-def report_l2(recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == L2_SUITE]
-    if not recs:
-        return ""
-    r0 = recs[0]
+def _l2_head(r0: dict) -> str:
     src = "" if r0["l2_source"] == "sysfs" else ", assumed: sysfs does not say"
-    head = (f"Decode with K/V in L2 (1 thread, B=1, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}; "
+    return (f"Decode with K/V in L2 (1 thread, B=1, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}; "
             f"L sized so the stored K+V is about half of the {fmt_bytes(r0['l2_bytes'])} L2"
             f"{src}).\nG lanes/s = 2 * Hq * L * D / time (one multiply-add per query head and "
             "stored K or V element); %peak = that / the FMA peak\nof the compute type, fma_f32 "
             "or fma_f64 (bf16/f16/i8 storage is widened on load and folded with the compute "
             "type's FMAs).")
-    rows = []
-    for r in recs:
-        rows += grouped([short_dtype(r["dtype"])], [
-            [name, str(res["L"]), fmt_bytes(res["kv_bytes"]), *timed_cells(res),
-             fmt_num(res["lanes_per_s"] / 1e9), fmt_pct(res["pct_peak"])]
-            for name, res in r["results"].items()])
-    right = [False, False, True, True, True, True, True, True]
-    return section(head, ["dtype", "impl", "L", "K+V", "time/call", "spread", "G lanes/s",
-                          "%peak"], rows, right)
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    peak = _peak_line(recs)
-    l2 = report_l2(recs)
-    recs = [r for r in recs if r["suite"] == "decode"]
-    if not recs:
-        return ""
-    sh = recs[0]
-    head = (f"Decode: one query per sequence, Hq={sh['Hq']} Hkv={sh['Hkv']} D={sh['D']}, "
-            f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
+def _l2_rows(r: dict) -> List[List[str]]:
+    return grouped([short_dtype(r["dtype"])], [
+        [name, str(res["L"]), fmt_bytes(res["kv_bytes"]), *timed_cells(res),
+         fmt_num(res["lanes_per_s"] / 1e9), fmt_pct(res["pct_peak"])]
+        for name, res in r["results"].items()])
+
+
+def report_l2(recs: List[dict]) -> str:
+    return suite_section(recs, L2_SUITE, _l2_head,
+                         ["dtype", "impl", "L", "K+V", "time/call", "spread", "G lanes/s",
+                          "%peak"], _l2_rows, [False, False, True, True, True, True, True, True])
+
+
+def _head(r0: dict, peak: str) -> str:
+    return (f"Decode: one query per sequence, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}, "
+            f"block size {r0['block_size']}.  GB/s counts K+V bytes read once per step; "
             "%BW is against the\nmeasured sequential read bandwidth at the same thread count, "
             "%pat against the kv-pattern read\n(the same bytes in the same block order, nothing "
             "computed; paired per round); "
@@ -553,22 +548,32 @@ def report(settings: Settings, recs: List[dict]) -> str:
             "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
             "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read."
             + ("\n" + peak if peak else ""))
-    rows = []
-    for r in recs:
-        def cells(name, res, r=r):
-            speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
-            pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
-            flops = "" if name == PATTERN else fmt_num(res["gflops"])
-            return [name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
-                    flops, speed]
 
-        # a missing implementation gets a row only if torch or skipped
-        names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", []))
-                 if n in r["results"] or n == TORCH or n in r["skipped"]]
-        rows += grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])],
-                        impl_rows(r, names, cells, 8,
-                                  lambda n, r=r: "skipped" if n in r["skipped"] else "n/a"))
-    right = [False, True, True, True, False, True, True, True, True, True, True, True]
-    main = section(head, ["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
-                          "%BW", "%pat", "GFLOP/s", "pagedkv speedup"], rows, right)
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
+        pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
+        flops = "" if name == PATTERN else fmt_num(res["gflops"])
+        return [name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
+                flops, speed]
+
+    # a missing implementation gets a row only if torch or skipped
+    names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", []))
+             if n in r["results"] or n == TORCH or n in r["skipped"]]
+    return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])],
+                   impl_rows(r, names, cells, 8,
+                             lambda n: "skipped" if n in r["skipped"] else "n/a"))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    peak = _peak_line(recs)
+    l2 = report_l2(recs)
+    main = suite_section(recs, "decode", lambda r0: _head(r0, peak),
+                         ["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s", "%BW",
+                          "%pat", "GFLOP/s", "pagedkv speedup"], _rows,
+                         [False, True, True, True, False, True, True, True, True, True, True,
+                          True])
+    if not main:
+        return ""
     return main + ("\n\n" + l2 if l2 else "")

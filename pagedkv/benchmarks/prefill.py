@@ -28,7 +28,7 @@ from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, Thr
                                        check_close, load_torch)
 from pagedkv.benchmarks.decode import Shape, shape
 from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
-                                       section, short_dtype, timed_cells)
+                                       short_dtype, suite_section, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratios, timed_once
 
 TORCH = "torch-sdpa"
@@ -207,25 +207,26 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
             "torch_variant": torch_variant}
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == "prefill"]
-    if not recs:
-        return ""
-    r0 = recs[0]
-    head = (f"Prefill, causal: L queries over L keys, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}.  "
+def _head(r0: dict) -> str:
+    return (f"Prefill, causal: L queries over L keys, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}.  "
             "GFLOP/s counts useful FLOPs 2*Hq*D*L*(L+1) (the causal triangle);\n"
             "torch-sdpa is the faster of enable_gqa=True and repeat_interleave (named); "
             "numpy computes the full square then masks it.")
-    rows = []
-    for r in recs:
-        def cells(name, res, r=r):
-            label = res["variant"].replace("torch-sdpa", "torch-sdpa ") if name == TORCH else name
-            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            return [label, *timed_cells(res), fmt_num(res["gflops"]), speed]
 
-        rows += grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])],
-                        impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 5,
-                                  lambda n, r=r: "skipped" if n in r.get("skipped", ()) else "n/a"))
-    right = [False, True, True, False, True, True, True, True]
-    return section(head, ["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
-                          "pagedkv speedup"], rows, right)
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        label = res["variant"].replace("torch-sdpa", "torch-sdpa ") if name == TORCH else name
+        speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+        return [label, *timed_cells(res), fmt_num(res["gflops"]), speed]
+
+    return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])],
+                   impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 5,
+                             lambda n: "skipped" if n in r.get("skipped", ()) else "n/a"))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    return suite_section(recs, "prefill", _head,
+                         ["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
+                          "pagedkv speedup"], _rows,
+                         [False, True, True, False, True, True, True, True])

@@ -103,6 +103,17 @@ def section(head: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
     return head + "\n" + table(headers, rows, right)
 
 
+def suite_section(recs: Sequence[dict], suite: str, head: Callable[[dict], str],
+                  headers: Sequence[str], rows_of: Callable[[dict], List[List[str]]],
+                  right: Optional[Sequence[bool]] = None) -> str:
+    """The report of a suite's records ("" if there are none): ``head(first record)``, then
+    a table of ``rows_of(record)`` for each."""
+    recs = [r for r in recs if r["suite"] == suite]
+    if not recs:
+        return ""
+    return section(head(recs[0]), headers, [row for r in recs for row in rows_of(r)], right)
+
+
 def grouped(cfg: Sequence[str], rows: Sequence[Sequence[str]]) -> List[List[str]]:
     """The rows of one configuration: its cells `cfg` on the first row, blanks below."""
     return [list(cfg if i == 0 else [""] * len(cfg)) + list(row) for i, row in enumerate(rows)]
