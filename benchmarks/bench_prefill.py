@@ -3,14 +3,9 @@
 Usage: python benchmarks/bench_prefill.py [--quick] [--json PATH] [--threads 1,all] [--dtypes f32,f64] ...
 (every option of `pagedkv bench`; see benchmarks/README.md)
 """
-import os
 import sys
 
-try:
-    from pagedkv.cli import main
-except ImportError:  # a source checkout built in place, run without installing
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pagedkv.cli import main
+from _entry import bench
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", "--suites", "prefill", *sys.argv[1:]]))
+    sys.exit(bench("--suites", "prefill"))

@@ -6,14 +6,11 @@ pagedkv/benchmarks/streaming.py, which `pagedkv bench --suites streaming` runs t
 Usage: python benchmarks/bench_streaming.py [--tokens N] [--sink S] [--window R] [--quick]
                                             [--threads N] [--naive-tokens N]
 """
-import os
 import sys
 
-try:
-    import pagedkv  # noqa: F401
-except ImportError:  # a source checkout built in place, run as a script
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _entry import importable
 
+importable()
 from pagedkv.benchmarks.streaming import main, report, run  # noqa: E402,F401
 
 if __name__ == "__main__":

@@ -46,27 +46,23 @@ DEMO_MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hi
 DEMO_PROMPTS = (37, 5, 21, 12)   # prompt lengths (random token ids: the model is random too)
 
 
-def demo(new_tokens: int = 48, stream_tokens: int = 4000, progress: bool = True) -> int:
-    """``pagedkv demo``: pagedkv inside transformers' ``generate()`` on a small random Llama
-    built from a config (fixed seed, nothing downloaded).  Generates for a left-padded batch
-    of prompts with pagedkv and with the default DynamicCache, checks the tokens agree,
-    prints tokens/s and the cache statistics, then runs StreamingLLM over a long stream
-    whose memory stays flat."""
-    if new_tokens < 1 or stream_tokens < 1:
-        print("pagedkv demo: --new-tokens and --stream-tokens must be >= 1", file=sys.stderr)
+def _demo_models(*counts):
+    """Two copies of the demo's random Llama (seed 0): the one pagedkv runs and the
+    reference; or the exit status after a message on stderr, 2 when one of the ``counts``
+    ((option, value) pairs) is below 1, 1 without the hf extra."""
+    if any(n < 1 for _, n in counts):
+        print(f"pagedkv demo: {' and '.join(name for name, _ in counts)} must be >= 1",
+              file=sys.stderr)
         return 2
     try:
         import torch  # noqa: PLC0415 - optional extra
-        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
-        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
-        from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
+        import pagedkv.integrations.hf  # noqa: F401, PLC0415
     except ImportError:
         print("pagedkv demo needs transformers and torch: pip install 'pagedkv[hf]'",
               file=sys.stderr)
         return 1
-    import pagedkv
-    from pagedkv.benchmarks.common import Progress
 
     def model():
         torch.manual_seed(0)
@@ -74,7 +70,27 @@ def demo(new_tokens: int = 48, stream_tokens: int = 4000, progress: bool = True)
                           max_position_embeddings=4096, **DEMO_MODEL)
         return LlamaForCausalLM(cfg).eval()
 
-    ours, ref = model(), model()
+    return model(), model()
+
+
+def demo(new_tokens: int = 48, stream_tokens: int = 4000, progress: bool = True) -> int:
+    """``pagedkv demo``: pagedkv inside transformers' ``generate()`` on a small random Llama
+    built from a config (fixed seed, nothing downloaded).  Generates for a left-padded batch
+    of prompts with pagedkv and with the default DynamicCache, checks the tokens agree,
+    prints tokens/s and the cache statistics, then runs StreamingLLM over a long stream
+    whose memory stays flat."""
+    models = _demo_models(("--new-tokens", new_tokens), ("--stream-tokens", stream_tokens))
+    if isinstance(models, int):
+        return models
+    ours, ref = models
+    import torch  # noqa: PLC0415 - present: _demo_models imported it
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+
+    import pagedkv
+    from pagedkv.benchmarks.common import Progress
+    from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
+
     print(f"pagedkv {pagedkv.__version__} demo: random Llama {DEMO_MODEL['num_hidden_layers']} "
           f"layers, hidden {DEMO_MODEL['hidden_size']}, Hq={DEMO_MODEL['num_attention_heads']} "
           f"Hkv={DEMO_MODEL['num_key_value_heads']} D={DEMO_MODEL['head_dim']} (seed 0, "
@@ -160,28 +176,16 @@ def demo_serve(requests: int = 16, new_tokens: int = 48, progress: bool = True) 
     second while the first is decoding), in a pool too small for all of them at once, with
     prefix caching.  Shows progress, tokens/s against ``generate()`` one prompt at a time,
     and checks every request's greedy tokens against it."""
-    if requests < 1 or new_tokens < 1:
-        print("pagedkv demo: --requests and --new-tokens must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        import torch  # noqa: PLC0415 - optional extra
-        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    models = _demo_models(("--requests", requests), ("--new-tokens", new_tokens))
+    if isinstance(models, int):
+        return models
+    ours, ref = models
+    import torch  # noqa: PLC0415 - present: _demo_models imported it
 
-        from pagedkv.integrations.hf import ContinuousBatcher  # noqa: PLC0415
-    except ImportError:
-        print("pagedkv demo needs transformers and torch: pip install 'pagedkv[hf]'",
-              file=sys.stderr)
-        return 1
     import pagedkv
     from pagedkv.benchmarks.common import Progress
+    from pagedkv.integrations.hf import ContinuousBatcher  # noqa: PLC0415
 
-    def model():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(pad_token_id=0, eos_token_id=None, bos_token_id=None,
-                          max_position_embeddings=4096, **DEMO_MODEL)
-        return LlamaForCausalLM(cfg).eval()
-
-    ours, ref = model(), model()
     g = torch.Generator().manual_seed(2)
     system = torch.randint(1, DEMO_MODEL["vocab_size"], (64,), generator=g).tolist()
     prompts = [system + torch.randint(1, DEMO_MODEL["vocab_size"],

@@ -22,24 +22,13 @@ from typing import List
 
 import numpy as np
 
-from pagedkv.benchmarks.common import (
-    PAGEDKV,
-    Impl,
-    Settings,
-    ThreadScope,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_spread,
-    fmt_time,
-    load_torch,
-    measure,
-    paired_ratio,
-    short_dtype,
-    table,
-)
-from pagedkv.benchmarks.decode import BLOCK_SIZE, shape
+from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
+                                       closing, load_torch)
+from pagedkv.benchmarks.decode import shape
+from pagedkv.benchmarks.report import (fmt_bytes, fmt_ratio, fmt_time, grouped, impl_rows,
+                                       results_of, short_dtype, suite_section, timed_cells)
+from pagedkv.benchmarks.timing import Impl, measure, paired_ratios
 
-NUMPY = "numpy"
 TORCH = "torch"
 ALLOC_APPENDS = 10_000
 
@@ -149,10 +138,8 @@ def run(settings: Settings) -> List[dict]:
             alloc_calls = alloc_appends if B == 0 else max(1, alloc_appends // B)
             tokens = max(calls, alloc_calls)
             label = f"append {short_dtype(dtype)} " + ("append" if B == 0 else f"append_batch B={B}")
-            if settings.progress is not None:
-                settings.progress.start(label)
-            case = _Case(dtype, B, tokens, sh, torch, seed=100 + di)
-            try:
+            with settings.stage(label), \
+                    closing(_Case(dtype, B, tokens, sh, torch, seed=100 + di)) as case:
                 impls = {PAGEDKV: Impl(case.run_pagedkv, setup=case.rewind, inner=calls),
                          NUMPY: Impl(case.run_numpy, inner=calls)}
                 if torch is not None:
@@ -167,12 +154,6 @@ def run(settings: Settings) -> List[dict]:
                         allocs[TORCH] = _allocated(case.run_torch, lambda: None, alloc_calls)
                 recs.append(_record(case, sh, timings, allocs))
                 recs[-1]["alloc_tokens"] = alloc_calls * max(B, 1)
-            finally:
-                case.close()
-                del case
-                gc.collect()
-            if settings.progress is not None:
-                settings.progress.step()
     return recs
 
 
@@ -188,49 +169,38 @@ def _verify(case: _Case, sh) -> None:
 
 
 def _record(case: _Case, sh, timings, allocs) -> dict:
-    results = {}
     tokens_per_call = max(case.B, 1)
-    for name, tm in timings.items():
-        r = tm.as_dict()
-        r["us_per_call"] = tm.median * 1e6
-        r["us_per_token"] = tm.median * 1e6 / tokens_per_call
-        r["gbps"] = case.token_bytes / tm.median / 1e9
-        r["tracemalloc"] = allocs[name]
-        results[name] = r
-    ratios = {name: paired_ratio(tm, timings[PAGEDKV])
-              for name, tm in timings.items() if name != PAGEDKV}
+    results = results_of(timings, lambda name, tm: {
+        "us_per_call": tm.median * 1e6, "us_per_token": tm.median * 1e6 / tokens_per_call,
+        "gbps": case.token_bytes / tm.median / 1e9, "tracemalloc": allocs[name]})
+    ratios = paired_ratios(timings)
     return {"suite": "append", "dtype": case.dtype, "threads": 1,
             "call": "append" if case.B == 0 else "append_batch", "B": tokens_per_call,
             "Hkv": sh.hkv, "D": sh.d, "token_shape": [tokens_per_call, sh.hkv, sh.d],
             "bytes_per_call": case.token_bytes, "results": results, "ratios": ratios}
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == "append"]
-    if not recs:
-        return ""
-    r0 = recs[0]
-    head = (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
+def _head(r0: dict) -> str:
+    return (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
             f"Allocation = tracemalloc peak / net bytes over\n{r0['alloc_tokens']:,} "
             "appended tokens (number of calls shown; torch's C++ allocator is invisible to "
             "tracemalloc).")
-    rows = []
-    for r in recs:
-        first = True
-        for name in (PAGEDKV, NUMPY, TORCH):
-            res = r["results"].get(name)
-            call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
-            cfg = [short_dtype(r["dtype"]), call] if first else ["", ""]
-            first = False
-            if res is None:
-                rows.append(cfg + [name, "n/a", "", "", "", ""])
-                continue
-            a = res["tracemalloc"]
-            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_spread(res),
-                               fmt_time(res["median_s"] / r["B"]),
-                               f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
-                               f" ({a['calls']:,} calls)", speed])
-    right = [False, False, False, True, True, True, True, True]
-    return head + "\n" + table(["dtype", "call", "impl", "per call", "spread", "per token",
-                                "alloc peak / net", "pagedkv speedup"], rows, right)
+
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        a = res["tracemalloc"]
+        speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+        return [name, *timed_cells(res), fmt_time(res["median_s"] / r["B"]),
+                f"{fmt_bytes(a['peak_bytes'])} / {fmt_bytes(a['net_bytes'])}"
+                f" ({a['calls']:,} calls)", speed]
+
+    call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
+    return grouped([short_dtype(r["dtype"]), call], impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    return suite_section(recs, "append", _head,
+                         ["dtype", "call", "impl", "per call", "spread", "per token",
+                          "alloc peak / net", "pagedkv speedup"], _rows,
+                         [False, False, False, True, True, True, True, True])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from pagedkv.benchmarks.common import Settings, fmt_num, table
+from pagedkv.benchmarks.common import Settings
+from pagedkv.benchmarks.report import fmt_num, section
 
 
 def buffer_bytes(settings: Settings) -> int:
@@ -23,12 +24,9 @@ def run(settings: Settings) -> Dict[int, float]:
     nbytes = buffer_bytes(settings)
     repeats = 3 if (settings.quick or settings.tiny) else 5
     for t in settings.threads:
-        if settings.progress is not None:
-            settings.progress.start(f"bandwidth t={t}")
-        settings.bandwidth[int(t)] = float(read_bandwidth(nbytes=nbytes, repeats=repeats,
-                                                          threads=int(t)))
-        if settings.progress is not None:
-            settings.progress.step()
+        with settings.stage(f"bandwidth t={t}"):
+            settings.bandwidth[int(t)] = float(read_bandwidth(nbytes=nbytes, repeats=repeats,
+                                                              threads=int(t)))
     return settings.bandwidth
 
 
@@ -46,4 +44,4 @@ def report(settings: Settings) -> str:
     rows = [[str(t), fmt_num(bw / 1e9, 1)] for t, bw in sorted(settings.bandwidth.items())]
     head = (f"Read bandwidth (core SIMD read kernel, {buffer_bytes(settings) >> 20} MiB buffer, "
             "best of repeats)")
-    return head + "\n" + table(["thr", "GB/s"], rows)
+    return section(head, ["thr", "GB/s"], rows)

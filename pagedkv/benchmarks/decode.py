@@ -51,7 +51,6 @@ The arithmetic ceiling, measured once per run (1 thread, whatever --threads):
 """
 from __future__ import annotations
 
-import gc
 import math
 import os
 from dataclasses import dataclass
@@ -59,27 +58,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from pagedkv.benchmarks.common import (
-    PAGEDKV,
-    Impl,
-    Settings,
-    ThreadScope,
-    check_close,
-    fmt_bytes,
-    fmt_num,
-    fmt_pct,
-    fmt_spread,
-    fmt_ratio,
-    fmt_time,
-    load_torch,
-    measure,
-    paired_ratio,
-    short_dtype,
-    table,
-    timed_once,
-)
+from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
+                                       check_close, closing, load_torch, rel_error)
+from pagedkv.benchmarks.report import (fmt_bytes, fmt_num, fmt_pct, fmt_ratio, grouped,
+                                       impl_rows, results_of, short_dtype, suite_section,
+                                       timed_cells)
+from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, timed_once
 
-NUMPY = "numpy"
 GATHER = "numpy-gather"
 TORCH = "torch-sdpa"
 PATTERN = "kv-pattern read"
@@ -92,7 +77,6 @@ KV_CHECK_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2}
 def kv_impl(kv_dtype: str) -> str:
     return f"{PAGEDKV}-{short_dtype(kv_dtype)}"
 
-BLOCK_SIZE = 16
 # numpy-gather copies every byte it then reads (2-3x the traffic of the
 # others); above this many K+V bytes per step it is skipped in full runs.
 GATHER_LIMIT_BYTES = 600 << 20
@@ -272,9 +256,8 @@ def run(settings: Settings) -> List[dict]:
     recs: List[dict] = []
     for di, dtype in enumerate(settings.dtypes):
         for ci, (B, L) in enumerate(configs(settings)):
-            case = _Case(dtype, B, L, sh, torch, seed=1000 * di + ci,
-                         kv_dtypes=settings.kv_dtypes)
-            try:
+            with closing(_Case(dtype, B, L, sh, torch, seed=1000 * di + ci,
+                               kv_dtypes=settings.kv_dtypes)) as case:
                 skip_gather = (not settings.tiny and not settings.quick
                                and case.kv_bytes > GATHER_LIMIT_BYTES)
                 if skip_gather:
@@ -292,21 +275,13 @@ def run(settings: Settings) -> List[dict]:
                         impls[TORCH] = Impl(case.run_torch)
                     for kv_dtype in case.kv:
                         impls[kv_impl(kv_dtype)] = Impl(case.runner_kv(kv_dtype))
-                    label = f"decode {short_dtype(dtype)} t={t} B={B} L={L}"
-                    if settings.progress is not None:
-                        settings.progress.start(label)
-                    with ThreadScope(t, torch):
+                    with settings.stage(f"decode {short_dtype(dtype)} t={t} B={B} L={L}"), \
+                            ThreadScope(t, torch):
                         first = timed_once(impls)   # warm-up, and the outputs to check
                         errors = _verify(case, impls)
                         timings = measure(impls, settings, prior=first)
                     recs.append(_record(settings, case, t, timings, errors,
                                         skipped=[GATHER] if skip_gather else []))
-                    if settings.progress is not None:
-                        settings.progress.step()
-            finally:
-                case.close()
-                del case
-                gc.collect()
     recs.extend(run_l2(settings))
     return recs
 
@@ -330,8 +305,7 @@ def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
             continue
         kv = [k for k in case.kv if kv_impl(k) == name]
         if kv:
-            got = np.asarray(case.outputs(name), dtype=np.float64)
-            err = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-30)
+            err = rel_error(case.outputs(name), want)
             if not err <= KV_CHECK_TOL[kv[0]]:
                 raise AssertionError(f"{name}: max error {err:.3g} / max |out| exceeds the "
                                      f"storage's bound {KV_CHECK_TOL[kv[0]]:g}")
@@ -343,18 +317,19 @@ def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
 
 def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -> dict:
     bw = settings.bw(t)
-    results = {}
     kv_names = {kv_impl(k): k for k in case.kv}
-    for name, tm in timings.items():
-        r = tm.as_dict()
+
+    def figures(name, tm) -> dict:
         nbytes = (case.kv[kv_names[name]][3] if name in kv_names
                   else case.pattern_bytes if name == PATTERN else case.kv_bytes)
-        r["gbps"] = nbytes / tm.median / 1e9
-        r["pct_bw"] = 100.0 * nbytes / tm.median / bw if bw else None
-        r["gflops"] = case.flops / tm.median / 1e9
+        r = {"gbps": nbytes / tm.median / 1e9,
+             "pct_bw": 100.0 * nbytes / tm.median / bw if bw else None,
+             "gflops": case.flops / tm.median / 1e9}
         if name not in (PAGEDKV, PATTERN):
             r["max_rel_err_vs_pagedkv"] = errors[name]
-        results[name] = r
+        return r
+
+    results = results_of(timings, figures)
     # decode GB/s as a fraction of the pattern read's, paired per round
     results[PAGEDKV]["pct_pattern"] = (100.0 * case.kv_bytes / case.pattern_bytes
                                        * paired_ratio(timings[PATTERN], timings[PAGEDKV]))
@@ -472,8 +447,7 @@ class _L2Case:
         """Each output against the float64 reference of its own K/V."""
         errors = {}
         for name, e in self.entries.items():
-            got, want = e["out"].astype(np.float64), e["want"]
-            err = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-30)
+            err = rel_error(e["out"], e["want"])
             tol = KV_CHECK_TOL.get(e["kv_dtype"], 1e-4 if self.dtype == "float32" else 1e-10)
             if not err <= tol:
                 raise AssertionError(f"decode in L2, {name}: max error {err:.3g} / max |out| "
@@ -500,39 +474,33 @@ def run_l2(settings: Settings) -> List[dict]:
     peaks: Dict[str, float] = {}
     seconds = 0.005 if settings.tiny else 0.05
     for di, dtype in enumerate(settings.dtypes):
-        if settings.progress is not None:
-            settings.progress.start(f"decode {short_dtype(dtype)} in L2, instruction peak")
-        kind = peak_kind(dtype)
-        if kind not in peaks:
-            peaks[kind] = float(instruction_peak(kind, threads=1, seconds=seconds))
-            recs.append({"suite": PEAK_SUITE, "kind": kind, "simd": simd, "threads": 1,
-                         "lanes_per_s": peaks[kind]})
-        case = _L2Case(dtype, sh, l2, settings.kv_dtypes, seed=7000 + di)
-        try:
-            impls = {name: Impl(case.runner(name)) for name in case.entries}
-            with ThreadScope(1):
-                first = timed_once(impls)
-                errors = case.verify()
-                timings = measure(impls, settings, prior=first)
-            results = {}
-            for name, tm in timings.items():
-                e = case.entries[name]
-                lanes = 2 * sh.hq * e["L"] * sh.d
-                rate = lanes / tm.median
-                results[name] = {**tm.as_dict(), "kv_dtype": e["kv_dtype"], "L": e["L"],
-                                 "kv_bytes": e["kv_bytes"], "fma_lanes": lanes,
-                                 "lanes_per_s": rate, "pct_peak": 100.0 * rate / peaks[kind],
-                                 "max_rel_err_vs_float64": errors[name]}
-            recs.append({"suite": L2_SUITE, "dtype": dtype, "threads": 1, "B": 1, "Hq": sh.hq,
-                         "Hkv": sh.hkv, "D": sh.d, "block_size": BLOCK_SIZE, "l2_bytes": l2,
-                         "l2_source": l2_source, "simd": simd, "peak_kind": kind,
-                         "peak_lanes_per_s": peaks[kind], "results": results})
-        finally:
-            case.close()
-            del case
-            gc.collect()
-        if settings.progress is not None:
-            settings.progress.step()
+        with settings.stage(f"decode {short_dtype(dtype)} in L2, instruction peak"):
+            kind = peak_kind(dtype)
+            if kind not in peaks:
+                peaks[kind] = float(instruction_peak(kind, threads=1, seconds=seconds))
+                recs.append({"suite": PEAK_SUITE, "kind": kind, "simd": simd, "threads": 1,
+                             "lanes_per_s": peaks[kind]})
+            with closing(_L2Case(dtype, sh, l2, settings.kv_dtypes, seed=7000 + di)) as case:
+                impls = {name: Impl(case.runner(name)) for name in case.entries}
+                with ThreadScope(1):
+                    first = timed_once(impls)
+                    errors = case.verify()
+                    timings = measure(impls, settings, prior=first)
+
+                def figures(name, tm, peak=peaks[kind]) -> dict:
+                    e = case.entries[name]
+                    lanes = 2 * sh.hq * e["L"] * sh.d
+                    rate = lanes / tm.median
+                    return {"kv_dtype": e["kv_dtype"], "L": e["L"], "kv_bytes": e["kv_bytes"],
+                            "fma_lanes": lanes, "lanes_per_s": rate,
+                            "pct_peak": 100.0 * rate / peak,
+                            "max_rel_err_vs_float64": errors[name]}
+
+                recs.append({"suite": L2_SUITE, "dtype": dtype, "threads": 1, "B": 1,
+                             "Hq": sh.hq, "Hkv": sh.hkv, "D": sh.d, "block_size": BLOCK_SIZE,
+                             "l2_bytes": l2, "l2_source": l2_source, "simd": simd,
+                             "peak_kind": kind, "peak_lanes_per_s": peaks[kind],
+                             "results": results_of(timings, figures)})
     return recs
 
 
@@ -546,41 +514,32 @@ def _peak_line(recs: List[dict]) -> str:
                         for r in peaks) + ".")
 
 
-def report_l2(recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == L2_SUITE]
-    if not recs:
-        return ""
-    r0 = recs[0]
+def _l2_head(r0: dict) -> str:
     src = "" if r0["l2_source"] == "sysfs" else ", assumed: sysfs does not say"
-    head = (f"Decode with K/V in L2 (1 thread, B=1, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}; "
+    return (f"Decode with K/V in L2 (1 thread, B=1, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}; "
             f"L sized so the stored K+V is about half of the {fmt_bytes(r0['l2_bytes'])} L2"
             f"{src}).\nG lanes/s = 2 * Hq * L * D / time (one multiply-add per query head and "
             "stored K or V element); %peak = that / the FMA peak\nof the compute type, fma_f32 "
             "or fma_f64 (bf16/f16/i8 storage is widened on load and folded with the compute "
             "type's FMAs).")
-    rows = []
-    for r in recs:
-        first = True
-        for name, res in r["results"].items():
-            rows.append([short_dtype(r["dtype"]) if first else "", name, str(res["L"]),
-                         fmt_bytes(res["kv_bytes"]), fmt_time(res["median_s"]), fmt_spread(res),
-                         fmt_num(res["lanes_per_s"] / 1e9),
-                         fmt_pct(res["pct_peak"])])
-            first = False
-    right = [False, False, True, True, True, True, True, True]
-    return head + "\n" + table(["dtype", "impl", "L", "K+V", "time/call", "spread", "G lanes/s",
-                                 "%peak"], rows, right)
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    peak = _peak_line(recs)
-    l2 = report_l2(recs)
-    recs = [r for r in recs if r["suite"] == "decode"]
-    if not recs:
-        return ""
-    sh = recs[0]
-    head = (f"Decode: one query per sequence, Hq={sh['Hq']} Hkv={sh['Hkv']} D={sh['D']}, "
-            f"block size {sh['block_size']}.  GB/s counts K+V bytes read once per step; "
+def _l2_rows(r: dict) -> List[List[str]]:
+    return grouped([short_dtype(r["dtype"])], [
+        [name, str(res["L"]), fmt_bytes(res["kv_bytes"]), *timed_cells(res),
+         fmt_num(res["lanes_per_s"] / 1e9), fmt_pct(res["pct_peak"])]
+        for name, res in r["results"].items()])
+
+
+def report_l2(recs: List[dict]) -> str:
+    return suite_section(recs, L2_SUITE, _l2_head,
+                         ["dtype", "impl", "L", "K+V", "time/call", "spread", "G lanes/s",
+                          "%peak"], _l2_rows, [False, False, True, True, True, True, True, True])
+
+
+def _head(r0: dict, peak: str) -> str:
+    return (f"Decode: one query per sequence, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}, "
+            f"block size {r0['block_size']}.  GB/s counts K+V bytes read once per step; "
             "%BW is against the\nmeasured sequential read bandwidth at the same thread count, "
             "%pat against the kv-pattern read\n(the same bytes in the same block order, nothing "
             "computed; paired per round); "
@@ -589,27 +548,32 @@ def report(settings: Settings, recs: List[dict]) -> str:
             "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
             "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read."
             + ("\n" + peak if peak else ""))
-    rows = []
-    for r in recs:
-        first = True
-        for name in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", [])):
-            res = r["results"].get(name)
-            if res is None and not (name == TORCH or name in r["skipped"]):
-                continue
-            cfg = ([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])]
-                   if first else ["", "", "", ""])
-            first = False
-            if res is None:
-                why = "skipped" if name in r["skipped"] else "n/a"
-                rows.append(cfg + [name, why, "", "", "", "", "", ""])
-                continue
-            speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
-            pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
-            flops = "" if name == PATTERN else fmt_num(res["gflops"])
-            rows.append(cfg + [name, fmt_time(res["median_s"]), fmt_spread(res),
-                               fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
-                               flops, speed])
-    right = [False, True, True, True, False, True, True, True, True, True, True, True]
-    main = head + "\n" + table(["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s",
-                                "%BW", "%pat", "GFLOP/s", "pagedkv speedup"], rows, right)
+
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
+        pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
+        flops = "" if name == PATTERN else fmt_num(res["gflops"])
+        return [name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
+                flops, speed]
+
+    # a missing implementation gets a row only if torch or skipped
+    names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", []))
+             if n in r["results"] or n == TORCH or n in r["skipped"]]
+    return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])],
+                   impl_rows(r, names, cells, 8,
+                             lambda n: "skipped" if n in r["skipped"] else "n/a"))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    peak = _peak_line(recs)
+    l2 = report_l2(recs)
+    main = suite_section(recs, "decode", lambda r0: _head(r0, peak),
+                         ["dtype", "thr", "B", "L", "impl", "time/step", "spread", "GB/s", "%BW",
+                          "%pat", "GFLOP/s", "pagedkv speedup"], _rows,
+                         [False, True, True, True, False, True, True, True, True, True, True,
+                          True])
+    if not main:
+        return ""
     return main + ("\n\n" + l2 if l2 else "")

@@ -26,15 +26,13 @@ flip).
 """
 from __future__ import annotations
 
-import time
 from typing import List
 
-import numpy as np
-
-from pagedkv.benchmarks.common import Settings, ThreadScope, fmt_ratio, fmt_time, table
+from pagedkv.benchmarks.common import BLOCK_SIZE, PAGEDKV, Settings, ThreadScope, needs_hf
+from pagedkv.benchmarks.report import fmt_ratio, fmt_time, section
+from pagedkv.benchmarks.timing import median, paired_median, round_order, timed_call
 
 NEW_TOKENS = 32
-BLOCK_SIZE = 16
 MODELS = {
     "small": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64),
@@ -84,19 +82,14 @@ def steps(settings: Settings) -> int:
 
 
 def _impl(storage: str) -> str:
-    return "pagedkv" if storage == "float32" else f"pagedkv-{storage}"
+    return PAGEDKV if storage == "float32" else f"{PAGEDKV}-{storage}"
 
 
-def run(settings: Settings) -> List[dict]:
-    try:
-        import torch  # noqa: PLC0415 - optional extra
-        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+@needs_hf("hf")
+def run(settings: Settings, torch, transformers) -> List[dict]:
+    from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
 
-        from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
-    except ImportError:
-        settings.note("hf suite skipped: transformers and torch are not installed "
-                      "(pip install 'pagedkv[hf]')")
-        return [{"suite": "hf", "available": False}]
+    DynamicCache, LlamaConfig = transformers.DynamicCache, transformers.LlamaConfig
     threads = max(settings.threads)
     new = 4 if settings.tiny else NEW_TOKENS
     plan = _plan(settings)
@@ -106,7 +99,7 @@ def run(settings: Settings) -> List[dict]:
         torch.manual_seed(0)
         cfg = LlamaConfig(max_position_embeddings=max_ctx + NEW_TOKENS, pad_token_id=0,
                           eos_token_id=None, bos_token_id=None, **MODELS[name])
-        m = LlamaForCausalLM(cfg).eval()
+        m = transformers.LlamaForCausalLM(cfg).eval()
         return m.to(torch.bfloat16) if name in BF16_WEIGHTS else m
 
     recs = []
@@ -119,71 +112,63 @@ def run(settings: Settings) -> List[dict]:
                 base.set_attn_implementation("sdpa")
                 pair[name] = (ours, base)
             ours, base = pair[name]
-            if settings.progress is not None:
-                settings.progress.start(f"hf: {name} context {L}")
-            vocab = MODELS[name]["vocab_size"]
-            ids = torch.randint(1, vocab, (1, L), generator=torch.Generator().manual_seed(L))
-            nblk = -(-(L + new) // BLOCK_SIZE) + 1
+            with settings.stage(f"hf: {name} context {L}"):
+                vocab = MODELS[name]["vocab_size"]
+                ids = torch.randint(1, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+                nblk = -(-(L + new) // BLOCK_SIZE) + 1
 
-            def fresh(impl):
-                if impl == DYN:
-                    return base, DynamicCache(config=base.config)
-                # f32 / bf16 storage (a bf16 model's default storage is bf16)
-                kv = "bfloat16" if impl.endswith("bfloat16") else "float32"
-                return ours, paged_cache(ours, num_blocks=nblk, block_size=BLOCK_SIZE,
-                                         kv_dtype=kv)
+                def fresh(impl):
+                    if impl == DYN:
+                        return base, DynamicCache(config=base.config)
+                    # f32 / bf16 storage (a bf16 model's default storage is bf16)
+                    kv = "bfloat16" if impl.endswith("bfloat16") else "float32"
+                    return ours, paged_cache(ours, num_blocks=nblk, block_size=BLOCK_SIZE,
+                                             kv_dtype=kv)
 
-            impls = [_impl(st) for st in STORAGE] + [DYN]
-            big = L * MODELS[name]["hidden_size"] >= 4096 * 1024  # a prefill of 10 s or more
-            prefill_rounds = 1 if (settings.tiny or L > 4096) else (2 if big else
-                                                                    min(3, settings.repeats))
-            pre = {i: [] for i in impls}
-            caches = {}
-            for r in range(prefill_rounds):
-                order = impls if r % 2 == 0 else impls[::-1]
-                for impl in order:
-                    m, cache = fresh(impl)
-                    caches.pop(impl, None)
-                    time.sleep(settings.gap)
-                    s = time.perf_counter()
-                    m(ids[:, :L - 1], past_key_values=cache)
-                    pre[impl].append(time.perf_counter() - s)
-                    caches[impl] = (m, cache)
-            times = {i: [] for i in impls}
-            seqs = {}
-            for r in range(settings.repeats):
-                order = impls if r % 2 == 0 else impls[::-1]
-                for impl in order:
-                    m, cache = caches[impl]
-                    time.sleep(settings.gap)
-                    s = time.perf_counter()
-                    out = m.generate(ids, past_key_values=cache, max_new_tokens=new,
-                                     min_new_tokens=new, do_sample=False)
-                    times[impl].append(time.perf_counter() - s)
-                    seqs.setdefault(impl, out)
-                    cache.crop(-new)
-            d = np.array(times[DYN])
-            pd = np.array(pre[DYN])
-            rec = {
-                "suite": "hf", "available": True, "model_name": name, "context": L,
-                "new_tokens": new, "threads": threads, "model": dict(MODELS[name]),
-                "block_size": BLOCK_SIZE,
-                "prefill_s": {i: float(np.median(pre[i])) for i in impls},
-                "prefill_samples_s": {i: list(pre[i]) for i in impls},
-                "samples_s": {i: list(times[i]) for i in impls},
-                "tokens_per_s": {i: new / float(np.median(times[i])) for i in impls},
-                "ratios": {i: float(np.median(d / np.array(times[i]))) for i in impls if i != DYN},
-                "prefill_ratios": {i: float(np.median(pd / np.array(pre[i])))
-                                   if len(pre[i]) == len(pd) else float(pd[0] / pre[i][0])
-                                   for i in impls if i != DYN},
-                "tokens_match": {i: bool(torch.equal(seqs[i], seqs[DYN]))
-                                 for i in impls if i != DYN},
-            }
-            rec["ratio"] = rec["ratios"]["pagedkv"]
-            recs.append(rec)
-            caches.clear()
-            if settings.progress is not None:
-                settings.progress.step()
+                impls = [_impl(st) for st in STORAGE] + [DYN]
+                big = L * MODELS[name]["hidden_size"] >= 4096 * 1024  # a prefill of 10 s or more
+                prefill_rounds = 1 if (settings.tiny or L > 4096) else (2 if big else
+                                                                        min(3, settings.repeats))
+                pre = {i: [] for i in impls}
+                caches = {}
+                for r in range(prefill_rounds):
+                    for impl in round_order(impls, r):
+                        m, cache = fresh(impl)
+                        caches.pop(impl, None)
+                        dt, _ = timed_call(lambda: m(ids[:, :L - 1], past_key_values=cache),
+                                           settings.gap)
+                        pre[impl].append(dt)
+                        caches[impl] = (m, cache)
+                times = {i: [] for i in impls}
+                seqs = {}
+                for r in range(settings.repeats):
+                    for impl in round_order(impls, r):
+                        m, cache = caches[impl]
+                        dt, out = timed_call(lambda: m.generate(
+                            ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False), settings.gap)
+                        times[impl].append(dt)
+                        seqs.setdefault(impl, out)
+                        cache.crop(-new)
+                rec = {
+                    "suite": "hf", "available": True, "model_name": name, "context": L,
+                    "new_tokens": new, "threads": threads, "model": dict(MODELS[name]),
+                    "block_size": BLOCK_SIZE,
+                    "prefill_s": {i: median(pre[i]) for i in impls},
+                    "prefill_samples_s": {i: list(pre[i]) for i in impls},
+                    "samples_s": {i: list(times[i]) for i in impls},
+                    "tokens_per_s": {i: new / median(times[i]) for i in impls},
+                    "ratios": {i: paired_median(times[DYN], times[i]) for i in impls if i != DYN},
+                    "prefill_ratios": {i: paired_median(pre[DYN], pre[i])
+                                       if len(pre[i]) == len(pre[DYN])
+                                       else float(pre[DYN][0] / pre[i][0])
+                                       for i in impls if i != DYN},
+                    "tokens_match": {i: bool(torch.equal(seqs[i], seqs[DYN]))
+                                     for i in impls if i != DYN},
+                }
+                rec["ratio"] = rec["ratios"][PAGEDKV]
+                recs.append(rec)
+                caches.clear()
     return recs
 
 
@@ -214,8 +199,8 @@ def report(settings: Settings, recs: List[dict]) -> str:
                      f"{fmt_ratio(r['prefill_ratios']['pagedkv-bfloat16'])}",
                      " / ".join("yes" if r["tokens_match"][i] else "no"
                                 for i in ("pagedkv", "pagedkv-bfloat16"))])
-    return head + "\n" + table(
-        ["model", "context", "pagedkv f32 / bf16 tok/s", "DynamicCache+sdpa tok/s",
-         "decode ratio f32 / bf16", "prefill pagedkv f32 / bf16", "prefill sdpa",
-         "prefill ratio f32 / bf16", "same tokens f32 / bf16"], rows,
+    return section(
+        head, ["model", "context", "pagedkv f32 / bf16 tok/s", "DynamicCache+sdpa tok/s",
+               "decode ratio f32 / bf16", "prefill pagedkv f32 / bf16", "prefill sdpa",
+               "prefill ratio f32 / bf16", "same tokens f32 / bf16"], rows,
         [False, True, True, True, True, True, True, True, False])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pagedkv.benchmarks.common import short_dtype
+from pagedkv.benchmarks.report import short_dtype
 
 COLORS = {"pagedkv": "tab:blue", "numpy": "tab:orange", "numpy-gather": "tab:green",
           "torch-sdpa": "tab:red", "torch": "tab:red", "kv-pattern read": "tab:gray"}

@@ -24,26 +24,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from pagedkv.benchmarks.common import (
-    PAGEDKV,
-    Impl,
-    Settings,
-    ThreadScope,
-    check_close,
-    fmt_num,
-    fmt_ratio,
-    fmt_spread,
-    fmt_time,
-    load_torch,
-    measure,
-    paired_ratio,
-    short_dtype,
-    table,
-    timed_once,
-)
-from pagedkv.benchmarks.decode import BLOCK_SIZE, Shape, shape
+from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
+                                       check_close, load_torch)
+from pagedkv.benchmarks.decode import Shape, shape
+from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
+                                       short_dtype, suite_section, timed_cells)
+from pagedkv.benchmarks.timing import Impl, measure, paired_ratios, timed_once
 
-NUMPY = "numpy"
 TORCH = "torch-sdpa"
 TORCH_GQA = "torch-sdpa(enable_gqa)"
 TORCH_REP = "torch-sdpa(repeat_interleave)"
@@ -187,19 +174,15 @@ def run(settings: Settings) -> List[dict]:
             if gqa:
                 impls[TORCH_GQA] = Impl(case.run_torch_gqa)
             impls[TORCH_REP] = Impl(case.run_torch_rep)
-        label = f"prefill {short_dtype(dtype)} t={t} L={L}"
-        if settings.progress is not None:
-            settings.progress.start(label)
-        with ThreadScope(t, torch):
-            first = timed_once(impls)  # warm-up, and the outputs to check
-            want = case.outputs(PAGEDKV)
-            errors = {name: check_close(name, case.outputs(name), want, dtype)
-                      for name in impls if name != PAGEDKV}
-            timings = measure(impls, settings, prior=first)
-        recs.append(_record(settings, case, t, timings, errors))
-        recs[-1]["skipped"] = [] if NUMPY in impls else [NUMPY]
-        if settings.progress is not None:
-            settings.progress.step()
+        with settings.stage(f"prefill {short_dtype(dtype)} t={t} L={L}"):
+            with ThreadScope(t, torch):
+                first = timed_once(impls)  # warm-up, and the outputs to check
+                want = case.outputs(PAGEDKV)
+                errors = {name: check_close(name, case.outputs(name), want, dtype)
+                          for name in impls if name != PAGEDKV}
+                timings = measure(impls, settings, prior=first)
+            recs.append(_record(settings, case, t, timings, errors))
+            recs[-1]["skipped"] = [] if NUMPY in impls else [NUMPY]
     for old in cases.values():
         old.close()
     cases.clear()
@@ -208,15 +191,10 @@ def run(settings: Settings) -> List[dict]:
 
 
 def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
-    results = {}
-    for name, tm in timings.items():
-        r = tm.as_dict()
-        r["gflops"] = case.flops / tm.median / 1e9
-        if name != PAGEDKV:
-            r["max_rel_err_vs_pagedkv"] = errors[name]
-        results[name] = r
-    ratios = {name: paired_ratio(tm, timings[PAGEDKV])
-              for name, tm in timings.items() if name != PAGEDKV}
+    results = results_of(timings, lambda name, tm: {
+        "gflops": case.flops / tm.median / 1e9,
+        **({} if name == PAGEDKV else {"max_rel_err_vs_pagedkv": errors[name]})})
+    ratios = paired_ratios(timings)
     variants = [n for n in (TORCH_GQA, TORCH_REP) if n in timings]
     torch_variant = None
     if variants:
@@ -229,33 +207,26 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
             "torch_variant": torch_variant}
 
 
-def report(settings: Settings, recs: List[dict]) -> str:
-    recs = [r for r in recs if r["suite"] == "prefill"]
-    if not recs:
-        return ""
-    r0 = recs[0]
-    head = (f"Prefill, causal: L queries over L keys, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}.  "
+def _head(r0: dict) -> str:
+    return (f"Prefill, causal: L queries over L keys, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}.  "
             "GFLOP/s counts useful FLOPs 2*Hq*D*L*(L+1) (the causal triangle);\n"
             "torch-sdpa is the faster of enable_gqa=True and repeat_interleave (named); "
             "numpy computes the full square then masks it.")
-    rows = []
-    for r in recs:
-        first = True
-        for name in (PAGEDKV, NUMPY, TORCH):
-            res = r["results"].get(name)
-            cfg = ([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])] if first
-                   else ["", "", ""])
-            first = False
-            if res is None:
-                rows.append(cfg + [name, "skipped" if name in r.get("skipped", ()) else "n/a",
-                                   "", "", ""])
-                continue
-            label = name
-            if name == TORCH:
-                label = res["variant"].replace("torch-sdpa", "torch-sdpa ")
-            speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
-            rows.append(cfg + [label, fmt_time(res["median_s"]), fmt_spread(res),
-                               fmt_num(res["gflops"]), speed])
-    right = [False, True, True, False, True, True, True, True]
-    return head + "\n" + table(["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
-                                "pagedkv speedup"], rows, right)
+
+
+def _rows(r: dict) -> List[List[str]]:
+    def cells(name, res):
+        label = res["variant"].replace("torch-sdpa", "torch-sdpa ") if name == TORCH else name
+        speed = "" if name == PAGEDKV else fmt_ratio(r["ratios"][name])
+        return [label, *timed_cells(res), fmt_num(res["gflops"]), speed]
+
+    return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])],
+                   impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 5,
+                             lambda n: "skipped" if n in r.get("skipped", ()) else "n/a"))
+
+
+def report(settings: Settings, recs: List[dict]) -> str:
+    return suite_section(recs, "prefill", _head,
+                         ["dtype", "thr", "L", "impl", "time", "spread", "GFLOP/s",
+                          "pagedkv speedup"], _rows,
+                         [False, True, True, False, True, True, True, True])

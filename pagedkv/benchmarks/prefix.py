@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from typing import List
 
 import numpy as np
 
-from pagedkv.benchmarks.common import Settings, fmt_bytes, fmt_ratio, fmt_time, table
+from pagedkv.benchmarks.common import BLOCK_SIZE as BS
+from pagedkv.benchmarks.common import Settings
+from pagedkv.benchmarks.report import fmt_bytes, fmt_ratio, fmt_time, table
+from pagedkv.benchmarks.timing import median, timed_call
 
-HKV, HQ, D, BS = 8, 32, 128, 16
+HKV, HQ, D = 8, 32, 128
 
 
 def steps(settings: Settings) -> int:
@@ -79,24 +81,24 @@ def _ttft(settings: Settings) -> dict:
     warm = cache.add_sequence(token_ids=prompt)
     model.prefill(cache, warm, prompt)  # registers the prompt (salt None)
     cold, hit = [], []
-    last_hit = last_cold = None
+
+    def first_token(salt):
+        """A new sequence of the prompt, prefilled: (it, its cached tokens, the last output)."""
+        s = cache.add_sequence(token_ids=prompt, cache_salt=salt)
+        return s, cache.seq_len(s), model.prefill(cache, s, prompt)
+
     for r in range(settings.repeats):
-        t0 = time.perf_counter()
-        s = cache.add_sequence(token_ids=prompt, cache_salt=("cold", r))
-        last_cold = model.prefill(cache, s, prompt)
-        cold.append(time.perf_counter() - t0)
+        dt, (s, _, last_cold) = timed_call(lambda: first_token(("cold", r)))
+        cold.append(dt)
         cache.free(s)
-        t0 = time.perf_counter()
-        s = cache.add_sequence(token_ids=prompt)
-        reused = cache.seq_len(s)
-        last_hit = model.prefill(cache, s, prompt)
-        hit.append(time.perf_counter() - t0)
+        dt, (s, reused, last_hit) = timed_call(lambda: first_token(None))
+        hit.append(dt)
         cache.free(s)
     err = float(np.max(np.abs(last_hit - last_cold)) / max(np.max(np.abs(last_cold)), 1e-30))
     st = cache.stats()
     return {"suite": "prefix", "case": "ttft", "prompt_tokens": prompt_len, "layers": layers,
-            "reused_tokens": reused, "cold_s": float(np.median(cold)),
-            "hit_s": float(np.median(hit)), "speedup": float(np.median(cold) / np.median(hit)),
+            "reused_tokens": reused, "cold_s": median(cold),
+            "hit_s": median(hit), "speedup": median(cold) / median(hit),
             "cold_samples_s": cold, "hit_samples_s": hit, "max_rel_diff": err,
             "hit_rate": st.prefix_hit_rate}
 
@@ -148,32 +150,26 @@ def _save_load(settings: Settings) -> dict:
         path = os.path.join(tmp, "seq.pkv")
         nbytes = 0
         for _ in range(settings.repeats):
-            t0 = time.perf_counter()
-            nbytes = cache.save(sid, path)
-            save_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            new = cache.load(path)
-            load_s.append(time.perf_counter() - t0)
+            dt, nbytes = timed_call(lambda: cache.save(sid, path))
+            save_s.append(dt)
+            dt, new = timed_call(lambda: cache.load(path))
+            load_s.append(dt)
             same = np.array_equal(cache.gather(new, 1)[0], cache.gather(sid, 1)[0])
             cache.free(new)
             if not same:
                 raise RuntimeError("save/load did not round-trip")
     return {"suite": "prefix", "case": "save_load", "tokens": tokens, "layers": layers,
-            "file_bytes": nbytes, "save_s": float(np.median(save_s)),
-            "load_s": float(np.median(load_s)),
-            "save_gbps": nbytes / float(np.median(save_s)) / 1e9,
-            "load_gbps": nbytes / float(np.median(load_s)) / 1e9}
+            "file_bytes": nbytes, "save_s": median(save_s), "load_s": median(load_s),
+            "save_gbps": nbytes / median(save_s) / 1e9,
+            "load_gbps": nbytes / median(load_s) / 1e9}
 
 
 def run(settings: Settings) -> List[dict]:
     recs = []
     for label, fn in (("prefix: time to first token", _ttft), ("prefix: beam memory", _beam_memory),
                       ("prefix: save/load", _save_load)):
-        if settings.progress is not None:
-            settings.progress.start(label)
-        recs.append(fn(settings))
-        if settings.progress is not None:
-            settings.progress.step()
+        with settings.stage(label):
+            recs.append(fn(settings))
     return recs
 
 

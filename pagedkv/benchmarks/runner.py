@@ -17,25 +17,11 @@ from pagedkv.benchmarks import hf as hf_suite
 from pagedkv.benchmarks import prefill as prefill_suite
 from pagedkv.benchmarks import prefix as prefix_suite
 from pagedkv.benchmarks import serve as serve_suite
-from pagedkv.benchmarks.common import (
-    PAGEDKV,
-    Progress,
-    Settings,
-    fmt_bytes,
-    fmt_num,
-    fmt_pct,
-    fmt_ratio,
-    fmt_time,
-    load_torch,
-    machine_info,
-    numpy_threads_note,
-    parse_dtypes,
-    parse_kv_dtypes,
-    parse_threads,
-    short_dtype,
-    table,
-    write_json,
-)
+from pagedkv.benchmarks.common import (PAGEDKV, Progress, Settings, load_torch,
+                                       numpy_threads_note, parse_dtypes, parse_kv_dtypes,
+                                       parse_threads, split_list)
+from pagedkv.benchmarks.report import (fmt_bytes, fmt_num, fmt_pct, fmt_ratio, fmt_time,
+                                       machine_info, section, short_dtype, write_json)
 
 SUITES = ("bandwidth", "decode", "prefill", "append", "streaming", "prefix")
 # run only when named (--suites hf,serve): slow (long-context prefills, serving traces) and
@@ -78,10 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_suites(text: str) -> List[str]:
     out = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
+    for part in split_list(text):
         if part == "all":
             return list(SUITES)
         if part not in SUITES + OPT_IN_SUITES:
@@ -165,10 +148,9 @@ def run_suites(args: argparse.Namespace, out=None):
             results["bandwidth"] = {str(t): bw for t, bw in settings.bandwidth.items()}
             text = bandwidth_suite.report(settings)
         elif name == "streaming":
-            progress.start("streaming")
-            rec, text = _run_streaming(settings)
+            with settings.stage("streaming"):
+                rec, text = _run_streaming(settings)
             records.append(rec)
-            progress.step()
         else:
             mod = _SUITE_MODULES[name]
             recs = mod.run(settings)
@@ -394,6 +376,6 @@ def format_targets(t: dict) -> str:
     if not rows:
         return lines[0] + "\n  (none of the target configurations was run)"
     right = [False, True, True, False, False, True]
-    return lines[0] + "\n" + table(["target", "thr", "time", "figure", "baseline", "ratio"],
-                                   rows, right)
+    return section(lines[0], ["target", "thr", "time", "figure", "baseline", "ratio"], rows,
+                   right)
 

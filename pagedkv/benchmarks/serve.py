@@ -36,13 +36,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from pagedkv.benchmarks.common import Settings, ThreadScope, fmt_bytes, fmt_ratio, table
+from pagedkv.benchmarks.common import BLOCK_SIZE, Settings, ThreadScope, needs_hf
+from pagedkv.benchmarks.report import fmt_bytes, fmt_ratio, section
+from pagedkv.benchmarks.timing import median, paired_median, round_order
 
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-BLOCK_SIZE = 16
 MAX_BATCH_TOKENS = 512
 CB_PAGE_SIZE = 16  # transformers' page size (its default is 256)
 SYSTEMS = ("pagedkv batcher", "generate_batch", "generate one-by-one")
@@ -112,6 +113,13 @@ class _PeakRSS:
         return self.peak - self.start if self.ok else None
 
 
+def _wait_until(t: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches t (a request's arrival)."""
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
 def _run_batcher(model, prompts, arrivals, new) -> dict:
     from pagedkv.integrations.hf import ContinuousBatcher  # noqa: PLC0415
 
@@ -157,9 +165,7 @@ def _run_generate_batch(model, gen_config, prompts, arrivals, new) -> dict:
         t0_abs = t0
         ids = []
         for i, p in enumerate(prompts):
-            delay = arrivals[i] - (time.perf_counter() - t0)
-            if delay > 0:
-                time.sleep(delay)
+            _wait_until(t0 + arrivals[i])
             ids.append(manager.add_request(p, request_id=f"r{i}", max_new_tokens=new,
                                            record_timestamps=True))
         results = {}
@@ -199,9 +205,7 @@ def _run_one_by_one(model, prompts, arrivals, new) -> dict:
     t0 = time.perf_counter()
     tokens, ttft = [], []
     for i, p in enumerate(prompts):
-        delay = arrivals[i] - (time.perf_counter() - t0)
-        if delay > 0:
-            time.sleep(delay)
+        _wait_until(t0 + arrivals[i])
         s = First()
         out = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, streamer=s)
@@ -210,16 +214,10 @@ def _run_one_by_one(model, prompts, arrivals, new) -> dict:
     return dict(tokens=tokens, end=time.perf_counter() - t0, ttft=ttft)
 
 
-def run(settings: Settings) -> List[dict]:
-    try:
-        import torch  # noqa: PLC0415 - optional extra
-        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
-
-        import pagedkv.integrations.hf  # noqa: F401, PLC0415
-    except ImportError:
-        settings.note("serve suite skipped: transformers and torch are not installed "
-                      "(pip install 'pagedkv[hf]')")
-        return [{"suite": "serve", "available": False}]
+@needs_hf("serve")
+def run(settings: Settings, torch, transformers) -> List[dict]:
+    GenerationConfig, LlamaConfig = transformers.GenerationConfig, transformers.LlamaConfig
+    LlamaForCausalLM = transformers.LlamaForCausalLM
     threads = max(settings.threads)
     if threads > 1 and not os.environ.get("OMP_WAIT_POLICY") and \
             not os.environ.get("GOMP_SPINCOUNT"):
@@ -247,12 +245,9 @@ def run(settings: Settings) -> List[dict]:
     try:
         with ThreadScope(threads, torch), torch.no_grad():
             for w in _workloads(settings):
-                if settings.progress is not None:
-                    settings.progress.start(f"serve: {w['name']}")
-                recs.append(_run_workload(w, settings, ours, base, shape, rounds, threads,
-                                          GenerationConfig))
-                if settings.progress is not None:
-                    settings.progress.step()
+                with settings.stage(f"serve: {w['name']}"):
+                    recs.append(_run_workload(w, settings, ours, base, shape, rounds, threads,
+                                              GenerationConfig))
     finally:
         cb_log.setLevel(level)
     return recs
@@ -272,9 +267,7 @@ def _run_workload(w, settings, ours, base, shape, rounds, threads, GenerationCon
         fn()
     samples: Dict[str, List[dict]] = {name: [] for name in runners}
     for r in range(rounds):
-        order = list(runners)
-        order = order[r % len(order):] + order[:r % len(order)]
-        for name in order:
+        for name in round_order(list(runners), r, rotate=True):
             time.sleep(settings.gap)
             with _PeakRSS() as mem:
                 res = runners[name]()
@@ -287,9 +280,9 @@ def _run_workload(w, settings, ours, base, shape, rounds, threads, GenerationCon
         ttft = np.concatenate([s["ttft"] for s in ss])
         rss = [s["peak_rss_delta"] for s in ss if s["peak_rss_delta"] is not None]
         results[name] = {
-            "tokens_per_s": n_tokens / float(np.median(ends)),
+            "tokens_per_s": n_tokens / median(ends),
             "wall_s": ends,
-            "ttft_median_s": float(np.median(ttft)),
+            "ttft_median_s": median(ttft),
             "ttft_p90_s": float(np.percentile(ttft, 90)),
             "peak_rss_delta_bytes": max(rss) if rss else None,
         }
@@ -297,17 +290,15 @@ def _run_workload(w, settings, ours, base, shape, rounds, threads, GenerationCon
     results[SYSTEMS[0]]["preemptions"] = samples[SYSTEMS[0]][0]["preemptions"]
     ref = samples[SYSTEMS[2]][0]["tokens"]
     match = {name: all(s["tokens"] == ref for s in ss) for name, ss in samples.items()}
-    ours_t = np.array(results[SYSTEMS[0]]["wall_s"])
+    ours_t = results[SYSTEMS[0]]["wall_s"]
     return {
         "suite": "serve", "available": True, "workload": w["name"],
         "requests": len(prompts), "prompt_tokens": [len(p) for p in prompts],
         "arrivals_s": arrivals, "new_tokens": new, "threads": threads, "model": dict(shape),
         "block_size": BLOCK_SIZE, "max_batch_tokens": MAX_BATCH_TOKENS, "rounds": rounds,
         "results": results, "tokens_match": match,
-        "ratio_vs_generate_batch": float(np.median(
-            np.array(results[SYSTEMS[1]]["wall_s"]) / ours_t)),
-        "ratio_vs_one_by_one": float(np.median(
-            np.array(results[SYSTEMS[2]]["wall_s"]) / ours_t)),
+        "ratio_vs_generate_batch": paired_median(results[SYSTEMS[1]]["wall_s"], ours_t),
+        "ratio_vs_one_by_one": paired_median(results[SYSTEMS[2]]["wall_s"], ours_t),
     }
 
 
@@ -339,9 +330,9 @@ def report(settings: Settings, recs: List[dict]) -> str:
                          fmt_bytes(x["peak_rss_delta_bytes"]),
                          "yes" if r["tokens_match"][name] else "NO"])
         kv = r["results"][SYSTEMS[0]]
-        out.append(what + "\n" + table(
-            ["system", "tokens/s", "batcher faster by", "TTFT median / p90 (s)",
-             "peak memory", "same tokens"], rows, [False, True, True, True, True, False])
+        out.append(section(
+            what, ["system", "tokens/s", "batcher faster by", "TTFT median / p90 (s)",
+                   "peak memory", "same tokens"], rows, [False, True, True, True, True, False])
             + f"\n  batcher KV blocks at peak: {fmt_bytes(kv['kv_peak_bytes'])}, "
               f"preemptions {kv['preemptions']}")
     return "\n".join(out)

@@ -52,10 +52,9 @@ is in the batch.
 from __future__ import annotations
 
 import collections
-import math
 import time
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -65,274 +64,16 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("pagedkv.integrations.batching needs torch and transformers: "
                       "pip install 'pagedkv[hf]'") from e
 
-from pagedkv._core import CacheCore
 from pagedkv.cache import PagedKVCache
+# the scheduler's parts: pools (sizing, layer groups), the packed step, per-request sampling;
+# hf.py and callers import some of these from here
+from pagedkv.integrations.pools import (DEFAULT_TOKENS_PER_SEQ, HALF_DTYPES,  # noqa: F401
+                                        Group, blocks_per_group, group_blocks, model_geometry,
+                                        num_blocks_for_bytes, resolve_num_blocks, single_group)
+from pagedkv.integrations.sampling import Sampling, sample
+from pagedkv.integrations.step import STEP_KWARG, StepPlan, kernel_options  # noqa: F401
 
 __all__ = ["BatcherStats", "ContinuousBatcher", "StepEvent", "num_blocks_for_bytes"]
-
-STEP_KWARG = "pagedkv_step"
-_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-                 torch.float16: "float16"}
-_HALF = ("bfloat16", "float16")
-# with neither num_blocks nor kv_cache_bytes: room for max_seqs sequences of this many
-# tokens, at most _DEFAULT_BYTES
-_DEFAULT_TOKENS_PER_SEQ = 2048
-_DEFAULT_BYTES = 1 << 30
-
-
-def num_blocks_for_bytes(kv_cache_bytes: int, block_size: int, num_kv_heads: int, head_dim: int,
-                         num_layers: int, dtype: str = "float32",
-                         kv_dtype: Optional[str] = None) -> int:
-    """How many blocks of this geometry fit in ``kv_cache_bytes`` (K and V of every layer,
-    scales included for int8); ValueError when not even one does."""
-    if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, (int, np.integer)):
-        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
-    per_block = _bytes_per_block(block_size, num_kv_heads, head_dim, num_layers, dtype, kv_dtype)
-    n = int(kv_cache_bytes) // per_block
-    if n < 1:
-        raise ValueError(f"kv_cache_bytes={int(kv_cache_bytes)} holds no block of "
-                         f"{per_block} bytes (block_size {block_size}, {num_layers} layers, "
-                         f"{num_kv_heads} KV heads of {head_dim}, {kv_dtype or dtype})")
-    return n
-
-
-def _bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
-                     dtype: str, kv_dtype: Optional[str]) -> int:
-    probe = CacheCore(1, block_size, num_kv_heads, head_dim, num_layers, dtype, 1, None,
-                      None, None, kv_dtype=kv_dtype, raw16=dtype in _HALF)
-    return int(probe.bytes_per_block)
-
-
-def model_geometry(model) -> Dict[str, object]:
-    """Cache geometry of a transformers decoder: layers, KV heads, head dim, dtype (raises
-    for a model off the CPU, another dtype or an encoder-decoder model)."""
-    config = model.config.get_text_config(decoder=True)
-    if model.device.type != "cpu":
-        raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
-    dtype = _TORCH_DTYPES.get(model.dtype)
-    if dtype is None:
-        raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
-                        f"is {model.dtype}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
-                                  "has no cross-attention cache")
-    num_heads = int(config.num_attention_heads)
-    return dict(num_layers=int(config.num_hidden_layers),
-                num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-                head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // num_heads),
-                dtype=dtype)
-
-
-def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],
-                       block_size: int, geometry: Dict[str, object],
-                       kv_dtype: Optional[str]) -> int:
-    """``num_blocks`` as given, or derived from ``kv_cache_bytes`` (one of them, not both;
-    TypeError with neither)."""
-    if num_blocks is not None and kv_cache_bytes is not None:
-        raise TypeError("give num_blocks or kv_cache_bytes, not both")
-    if num_blocks is not None:
-        return num_blocks
-    if kv_cache_bytes is None:
-        raise TypeError("give num_blocks (blocks in the pool) or kv_cache_bytes (a budget)")
-    return num_blocks_for_bytes(kv_cache_bytes, block_size, kv_dtype=kv_dtype, **geometry)
-
-
-def blocks_per_group(num_blocks, groups) -> Dict[str, int]:
-    """{group name: blocks} from ``num_blocks``: one count for every group, or a dict that
-    names exactly the model's groups (ValueError otherwise)."""
-    if not isinstance(num_blocks, dict):
-        return {name: num_blocks for name in groups}
-    if set(num_blocks) != set(groups):
-        raise ValueError(f"num_blocks names groups {sorted(num_blocks)}; this model's are "
-                         f"{sorted(groups)}")
-    return dict(num_blocks)
-
-
-def _group_blocks(num_blocks, kv_cache_bytes, groups, block_size: int, geometry, kv_dtype,
-                  default_tokens: int, caps: Dict[str, Optional[int]]) -> Dict[str, int]:
-    """{group name: blocks} of the batcher's pools.
-
-    ``num_blocks``: an int for every group, or a dict {group name: blocks}.  ``kv_cache_bytes``:
-    a budget split so that every group gets the same number of blocks n, except that a group
-    with a cap (a sliding group: more blocks than its running requests can ever hold at once)
-    gets min(n, cap) and the rest goes to the others; n is the largest that fits.  Neither:
-    ``default_tokens`` worth of blocks per group (capped the same way), at most 1 GiB in all.
-    """
-    if num_blocks is not None and kv_cache_bytes is not None:
-        raise TypeError("give num_blocks or kv_cache_bytes, not both")
-    if num_blocks is not None:
-        return blocks_per_group(num_blocks, groups)
-    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or
-                                       not isinstance(kv_cache_bytes, (int, np.integer))):
-        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
-    per_block = {name: _bytes_per_block(block_size, geometry["num_kv_heads"],
-                                        geometry["head_dim"], len(layers), geometry["dtype"],
-                                        kv_dtype)
-                 for name, (_, layers) in groups.items()}
-
-    def blocks(n: int) -> Dict[str, int]:
-        return {name: n if caps.get(name) is None else min(n, caps[name]) for name in groups}
-
-    def nbytes(of: Dict[str, int]) -> int:
-        return sum(of[name] * per_block[name] for name in groups)
-
-    if kv_cache_bytes is None:
-        want = blocks(max(1, -(-int(default_tokens) // int(block_size))))
-        if nbytes(want) <= _DEFAULT_BYTES:
-            return want
-        budget = _DEFAULT_BYTES
-    else:
-        budget = int(kv_cache_bytes)
-    lo, hi = 0, budget // min(per_block.values()) + 1   # nbytes(blocks(lo)) <= budget < ...(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if nbytes(blocks(mid)) <= budget else (lo, mid)
-    out = blocks(lo)
-    if min(out.values()) < 1:
-        name = max(per_block, key=per_block.get)
-        raise ValueError(f"kv_cache_bytes={budget} holds no block of every layer group (a "
-                         f"block of {name!r} is {per_block[name]} bytes: block_size "
-                         f"{block_size}, {len(groups[name][1])} layers, "
-                         f"{geometry['num_kv_heads']} KV heads of {geometry['head_dim']}, "
-                         f"{kv_dtype or geometry['dtype']})")
-    return out
-
-
-def single_group(caches: Dict[str, PagedKVCache], owner: str) -> PagedKVCache:
-    """The one PagedKVCache of a model whose layers form one group; AttributeError naming the
-    groups otherwise (``owner`` is how the caller is spelled in the message)."""
-    if len(caches) != 1:
-        raise AttributeError(f"this model's layers form {len(caches)} groups "
-                             f"({', '.join(caches)}), each with its own PagedKVCache: use "
-                             f"{owner}.groups[name]")
-    return next(iter(caches.values()))
-
-
-def kernel_options(layer_idx: int, window: Optional[int], kwargs) -> Dict[str, object]:
-    """The kernels' ``window`` / ``softcap`` / ``sinks`` from the keyword arguments a model's
-    attention module passes (``sliding_window``, ``softcap``, ``s_aux``), for a layer whose
-    group was built for ``window`` (None: full attention).  Raises NotImplementedError for
-    another window or an option pagedkv lacks, and for dropout."""
-    got = kwargs.get("sliding_window")
-    if got is not None and got != window:
-        raise NotImplementedError(
-            f"layer {layer_idx} attends with sliding_window={got} but its pagedkv group was "
-            f"built for {window}; pass the model whose config made the cache")
-    if got is None and window is not None:
-        raise NotImplementedError(
-            f"layer {layer_idx} attends without a sliding window but the config names it a "
-            "sliding-window layer")
-    for name in ("attention_chunk_size", "alibi_slopes"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the pagedkv attention does not support {name}")
-    if kwargs.get("dropout"):
-        raise NotImplementedError("the pagedkv attention is for inference: dropout must be 0 "
-                                  "(call model.eval())")
-    s_aux = kwargs.get("s_aux")
-    sinks = None if s_aux is None else s_aux.detach().to(torch.float64).reshape(-1).numpy()
-    return dict(window=window, softcap=kwargs.get("softcap"), sinks=sinks)
-
-
-# ---------------------------------------------------------------------------
-# what one step hands to the attention function
-
-
-def _numpy(t) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy); 16-bit floats as their uint16 bits."""
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
-class _Group:
-    """One layer group of the batcher: its window (None: full attention), its layers (model
-    indices) and its PagedKVCache.  ``keep`` is what a sliding group keeps before each step
-    (window - 1 tokens); None for a full group."""
-
-    __slots__ = ("name", "window", "layers", "cache", "keep")
-
-    def __init__(self, name: str, window: Optional[int], layers: List[int],
-                 cache: PagedKVCache):
-        self.name = name
-        self.window = window
-        self.layers = layers
-        self.cache = cache
-        self.keep = None if cache.streaming is None else cache.streaming.window_tokens
-
-    def blocks_after(self, computed: int, n: int) -> int:
-        """Blocks a sequence holding ``computed`` tokens of its stream holds once n more are
-        appended (a sliding group first drops the blocks that left what it keeps; a slot's
-        place in its block is its stream position modulo the block size)."""
-        bs = self.cache.block_size
-        first = 0 if self.keep is None else max(computed - self.keep, 0)
-        return -(-(computed + n) // bs) - first // bs
-
-    def peak_blocks(self, total: int, chunk: int) -> int:
-        """Blocks one request of ``total`` stored tokens can hold at once when it gets up to
-        ``chunk`` tokens a step: all of them in a full group; in a sliding group what it keeps
-        plus a chunk, one more for a window that straddles blocks."""
-        bs = self.cache.block_size
-        whole = -(-total // bs)
-        if self.keep is None:
-            return whole
-        return min(whole, -(-(self.keep + min(chunk, total)) // bs) + 1)
-
-
-class _StepPlan:
-    """One step's packed row, as the attention function needs it.
-
-    Rows ``[0, num_decode)`` are one token of each decoding request; then ``chunks`` lists
-    ``(first row, n)`` of each prefill chunk.  Per layer group g, ``decode_sids[g]`` and
-    ``chunk_sids[g]`` are the requests' sequences in that group's cache.  ``layer_of`` maps a
-    model layer to (group index, layer index in the group's cache).  ``decode_ids`` are the
-    decode tokens' ids (for prefix caching, else None).
-    """
-
-    __slots__ = ("groups", "layer_of", "decode_sids", "decode_ids", "chunks", "chunk_sids",
-                 "num_tokens")
-
-    def __init__(self, groups: List[_Group], layer_of: List[Tuple[int, int]],
-                 decode_sids: List[np.ndarray], decode_ids: Optional[List[int]],
-                 chunks: List[Tuple[int, int]], chunk_sids: List[List[int]], num_tokens: int):
-        self.groups = groups
-        self.layer_of = layer_of
-        self.decode_sids = decode_sids
-        self.decode_ids = decode_ids
-        self.chunks = chunks
-        self.chunk_sids = chunk_sids
-        self.num_tokens = num_tokens
-
-    def attend(self, module, query, key, value, scaling, kwargs) -> "torch.Tensor":
-        """Write this layer's new K/V into the pages of its group and attend; query
-        [1, Hq, T, D] -> [1, T, Hq, D]."""
-        g, layer = self.layer_of[module.layer_idx]
-        group = self.groups[g]
-        opts = kernel_options(module.layer_idx, group.window, kwargs)
-        _, hq, T, D = query.shape
-        if query.shape[0] != 1 or T != self.num_tokens or key.shape[2] != T:
-            raise ValueError(f"ContinuousBatcher planned one row of {self.num_tokens} tokens; "
-                             f"the attention got queries {tuple(query.shape)} and keys "
-                             f"{tuple(key.shape)}")
-        cache = group.cache
-        q = _numpy(query[0].transpose(0, 1))     # [T, Hq, D] (views)
-        k = _numpy(key[0].transpose(0, 1))       # [T, Hkv, D]
-        v = _numpy(value[0].transpose(0, 1))
-        out = torch.empty((1, T, hq, D), dtype=query.dtype)
-        o = _numpy(out)[0]
-        sids = self.decode_sids[g]
-        B = len(sids)
-        if B:
-            if layer == 0 and self.decode_ids is not None:
-                cache.append_batch(sids, k[:B], v[:B], layer=0, token_ids=self.decode_ids)
-            else:
-                cache.append_batch(sids, k[:B], v[:B], layer=layer)
-            cache.attend_batch(sids, q[:B], layer=layer, scale=scaling, out=o[:B], **opts)
-        for sid, (start, n) in zip(self.chunk_sids[g], self.chunks):
-            stop = start + n
-            cache.append(sid, k[start:stop], v[start:stop], layer=layer)
-            cache.attend(sid, q[start:stop], layer=layer, scale=scaling, out=o[start:stop],
-                         **opts)
-        return out
 
 
 # ---------------------------------------------------------------------------
@@ -374,27 +115,16 @@ class BatcherStats:
 
 
 class _Request:
-    __slots__ = ("rid", "tokens", "num_prompt", "max_new", "eos", "do_sample", "temperature",
-                 "top_k", "top_p", "generator", "sids", "computed", "state", "t_added",
-                 "t_first")
+    __slots__ = ("rid", "tokens", "num_prompt", "max_new", "eos", "sampling", "sids", "computed",
+                 "state", "t_added", "t_first")
 
-    def __init__(self, rid, tokens, max_new, eos, do_sample, temperature, top_k, top_p, seed):
+    def __init__(self, rid: int, tokens: List[int], max_new: int, eos, sampling: Sampling):
         self.rid = rid
         self.tokens: List[int] = tokens          # prompt + generated
         self.num_prompt = len(tokens)
         self.max_new = max_new
         self.eos = eos
-        self.do_sample = do_sample
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.generator = None
-        if do_sample:
-            self.generator = torch.Generator()
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(seed)
+        self.sampling = sampling
         self.sids: Optional[List[int]] = None    # its sequence in each group's cache
         self.computed = 0                        # tokens whose K/V are in the caches
         self.state = "waiting"                   # waiting | running | finished | aborted
@@ -464,20 +194,20 @@ class ContinuousBatcher:
         caps = {name: int(max_seqs) * (-(-r // block_size) + 2) + -(-int(max_batch_tokens) //
                                                                   block_size)
                 for name, r in keep.items()}
-        blocks_of = _group_blocks(num_blocks, kv_cache_bytes, layer_groups, block_size,
-                                  geometry, kv_dtype, max_seqs * _DEFAULT_TOKENS_PER_SEQ, caps)
-        self._groups: List[_Group] = []
+        blocks_of = group_blocks(num_blocks, kv_cache_bytes, layer_groups, block_size,
+                                  geometry, kv_dtype, max_seqs * DEFAULT_TOKENS_PER_SEQ, caps)
+        self._groups: List[Group] = []
         self._layer_of: List[Tuple[int, int]] = [(0, 0)] * len(windows)
         for name, (w, layers) in layer_groups.items():
             cache = PagedKVCache(num_blocks=blocks_of[name], block_size=block_size,
                                  kv_dtype=kv_dtype, max_seqs=max_seqs,
                                  prefix_caching=prefix_caching,
                                  streaming=None if w is None else hf.sliding_policy(w),
-                                 raw16=geometry["dtype"] in _HALF,
+                                 raw16=geometry["dtype"] in HALF_DTYPES,
                                  **dict(geometry, num_layers=len(layers)))
             for local, i in enumerate(layers):
                 self._layer_of[i] = (len(self._groups), local)
-            self._groups.append(_Group(name, w, layers, cache))
+            self._groups.append(Group(name, w, layers, cache))
         self.model = model
         self._prefix_caching = bool(prefix_caching)
         self.vocab_size = int(config.vocab_size)
@@ -548,18 +278,7 @@ class ContinuousBatcher:
             ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) \
                 else [eos_token_id]
             eos = frozenset(self._token_list(list(ids), "eos_token_id"))
-        do_sample = bool(do_sample)
-        if do_sample:
-            if not isinstance(temperature, (int, float, np.number)) or \
-                    not math.isfinite(float(temperature)) or float(temperature) <= 0:
-                raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-            if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-                raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
-            if not isinstance(top_p, (int, float, np.number)) or not 0 < float(top_p) <= 1:
-                raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-            if seed is not None and (isinstance(seed, bool) or
-                                     not isinstance(seed, (int, np.integer))):
-                raise ValueError(f"seed must be None or an int, got {seed!r}")
+        sampling = Sampling.of(bool(do_sample), temperature, top_k, top_p, seed)
         # the K/V of the prompt and of every generated token but the last
         total = len(tokens) + max_new - 1
         for g in self._groups:
@@ -572,38 +291,33 @@ class ContinuousBatcher:
                                  f"{limit}: it could never run")
         rid = self._next_id
         self._next_id += 1
-        req = _Request(rid, tokens, max_new, eos, do_sample, float(temperature), int(top_k),
-                       float(top_p), None if seed is None else int(seed))
+        req = _Request(rid, tokens, max_new, eos, sampling)
         self._requests[rid] = req
         self._waiting.append(req)
         return rid
 
     def _token_list(self, ids, what: str) -> List[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if isinstance(ids, (list, tuple)):
+            out = list(ids)
+            for t in out:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"{what} must hold integer token ids, got "
+                                     f"{type(t).__name__} {t!r}")
+            out = [int(t) for t in out]
+        else:  # a tensor or an array: integer ids, 1-D or [1, n]
+            if isinstance(ids, torch.Tensor):
+                bad_dtype = (ids.dtype.is_floating_point or ids.dtype.is_complex
+                             or ids.dtype == torch.bool)
+            else:
+                ids = np.asarray(ids)
+                bad_dtype = ids.dtype.kind not in "iu"
+            if bad_dtype:
                 raise ValueError(f"{what} must hold integer token ids, got {ids.dtype}")
             if ids.ndim == 2 and ids.shape[0] == 1:
                 ids = ids[0]
             if ids.ndim != 1:
                 raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {tuple(ids.shape)}")
             out = ids.tolist()
-        else:
-            arr = np.asarray(ids) if not isinstance(ids, (list, tuple)) else None
-            if arr is not None:
-                if arr.dtype.kind not in "iu":
-                    raise ValueError(f"{what} must hold integer token ids, got {arr.dtype}")
-                if arr.ndim == 2 and arr.shape[0] == 1:
-                    arr = arr[0]
-                if arr.ndim != 1:
-                    raise ValueError(f"{what} must be 1-D (or [1, n]), got shape {arr.shape}")
-                out = arr.tolist()
-            else:
-                out = list(ids)
-                for t in out:
-                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                        raise ValueError(f"{what} must hold integer token ids, got "
-                                         f"{type(t).__name__} {t!r}")
-                out = [int(t) for t in out]
         bad = [t for t in out if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what} holds {bad[0]}, outside the vocabulary "
@@ -680,7 +394,7 @@ class ContinuousBatcher:
             if c + n == len(req.tokens):
                 logit_rows.append(len(ids) - 1)
                 sampled.append(req)
-        plan = _StepPlan(
+        plan = StepPlan(
             self._groups, self._layer_of,
             [np.array([r.sids[g] for r in decodes], dtype=np.int64)
              for g in range(len(self._groups))],
@@ -706,7 +420,7 @@ class ContinuousBatcher:
         for req, n in chunks:
             req.computed += n
         self._computed += len(ids)
-        new_tokens = self._sample(logits, sampled)
+        new_tokens = sample(logits, [req.sampling for req in sampled])
         now = time.perf_counter()
         events = []
         for req, tok in zip(sampled, new_tokens):
@@ -816,29 +530,6 @@ class ContinuousBatcher:
         self._waiting.appendleft(req)
         if count:
             self._preemptions += 1
-
-    def _sample(self, logits: "torch.Tensor", reqs: Sequence[_Request]) -> List[int]:
-        """One token per request from its logits row (greedy: argmax, as generate())."""
-        if not reqs:
-            return []
-        logits = logits.float()
-        out = logits.argmax(dim=-1).tolist()
-        for i, req in enumerate(reqs):
-            if not req.do_sample:
-                continue
-            row = logits[i] / req.temperature
-            if 0 < req.top_k < row.shape[-1]:
-                kth = torch.topk(row, req.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            if req.top_p < 1.0:
-                sorted_logits, order = torch.sort(row, descending=False)
-                cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-                drop = cum <= 1 - req.top_p
-                drop[-1] = False  # keep at least the most likely token
-                row = row.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-            probs = row.softmax(dim=-1)
-            out[i] = int(torch.multinomial(probs, 1, generator=req.generator))
-        return out
 
     # ------------------------------------------------------------------
 

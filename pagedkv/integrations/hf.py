@@ -510,7 +510,7 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
     attention runs instead.
     """
     step = kwargs.pop(STEP_KWARG, None)
-    if step is not None:  # a ContinuousBatcher step (pagedkv/integrations/batching.py)
+    if step is not None:  # a ContinuousBatcher step (pagedkv/integrations/step.py)
         return step.attend(module, query, key, value, scaling, dict(kwargs, dropout=dropout)), None
     layer = getattr(key, _LINK, None)
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
