@@ -12,6 +12,8 @@ if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transf
                 allow_module_level=True)
 
 import torch  # noqa: E402
+
+import pagedkv  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 VOCAB = 96
@@ -37,7 +39,25 @@ def twin_llamas(seed, dtype=None):
     return ours, ref
 
 
+def prompt_lists(seed, lengths):
+    """One random prompt (a list of ids, never the pad id 0) per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
 def prompt_ids(seed, batch, length):
     """[batch, length] random token ids (never the pad id 0)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, length), generator=g)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second thread only adds barrier waits (seconds each on a loaded
+    machine).  Restored afterwards."""
+    before = torch.get_num_threads(), pagedkv.get_num_threads()
+    torch.set_num_threads(1)
+    pagedkv.set_num_threads(1)
+    yield
+    torch.set_num_threads(before[0])
+    pagedkv.set_num_threads(before[1])
