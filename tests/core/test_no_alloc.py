@@ -64,6 +64,18 @@ def _growth(cache, loop):
         gc.enable()
 
 
+def _one_token_appender(cache, rng, warm):
+    """A new sequence, one token's K and V, and cache.append, after `warm` appends of it."""
+    sid = cache.add_sequence()
+    k = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    append = cache.append
+    for _ in range(warm):
+        append(sid, k, v)
+    assert cache.seq_len(sid) == warm
+    return sid, k, v, append
+
+
 def _touch_whole_pool(cache, rng):
     """Write every slot of every block once (so its pages are resident), then give them back."""
     sid = cache.add_sequence()
@@ -89,13 +101,7 @@ def test_single_token_appends_allocate_nothing(rng, kv_dtype):
             kv_dtype=kv_dtype,
         )
         _touch_whole_pool(cache, rng)
-        sid = cache.add_sequence()
-        k = rng.standard_normal((1, HKV, D)).astype(np.float32)
-        v = rng.standard_normal((1, HKV, D)).astype(np.float32)
-        append = cache.append
-        for _ in range(warm):
-            append(sid, k, v)
-        assert cache.seq_len(sid) == warm
+        sid, k, v, append = _one_token_appender(cache, rng, warm)
 
         def loop():
             for _ in range(N_APPENDS):
@@ -120,12 +126,7 @@ def test_single_token_append_creates_no_temporary_arrays(rng, kv_dtype):
             num_blocks=40, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype="float32",
             kv_dtype=kv_dtype,
         )
-        sid = cache.add_sequence()
-        k = rng.standard_normal((1, HKV, D)).astype(np.float32)
-        v = rng.standard_normal((1, HKV, D)).astype(np.float32)
-        append = cache.append
-        for _ in range(BS):
-            append(sid, k, v)
+        sid, k, v, append = _one_token_appender(cache, rng, BS)
 
         def loop():
             for _ in range(500):
