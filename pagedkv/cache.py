@@ -18,12 +18,13 @@ exposes exactly the documented API.  Where each concept lives:
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
 from pagedkv._core import CacheCore
 from pagedkv.eviction import (
+    EvictionMethods,
     EvictionStrategy,
     OnEvict,
     SequenceEvictor,
@@ -40,7 +41,7 @@ from pagedkv.streaming import StreamingLLM
 _UNSET = object()
 
 
-class PagedKVCache:
+class PagedKVCache(EvictionMethods):
     """A paged KV cache with paged attention over its pages.
 
     K/V live in one preallocated pool of ``num_blocks`` blocks of
@@ -408,39 +409,7 @@ class PagedKVCache:
         return evicted
 
     # ------------------------------------------------------------------
-    # whole-sequence eviction (pagedkv/eviction.py)
-
-    @property
-    def eviction_strategy(self) -> EvictionStrategy:
-        """The whole-sequence eviction strategy (settable; names are accepted)."""
-        return self._evictor.strategy
-
-    @eviction_strategy.setter
-    def eviction_strategy(self, value: Union[str, EvictionStrategy]) -> None:
-        self._evictor.strategy = value
-
-    @property
-    def eviction_threshold(self) -> float:
-        """Default target utilization of evict_to_threshold() (settable, in [0, 1])."""
-        return self._evictor.threshold
-
-    @eviction_threshold.setter
-    def eviction_threshold(self, value: float) -> None:
-        self._evictor.threshold = value
-
-    @property
-    def on_evict(self) -> Optional[OnEvict]:
-        """``callback(sid, cause)`` called after every whole-sequence eviction (settable)."""
-        return self._evictor.on_evict
-
-    @on_evict.setter
-    def on_evict(self, fn: Optional[OnEvict]) -> None:
-        self._evictor.on_evict = fn
-
-    @property
-    def eviction_log(self):
-        """The latest whole-sequence evictions (EvictionRecord), oldest first (at most 1024)."""
-        return self._evictor.log
+    # whole-sequence eviction: the methods and settings are EvictionMethods' (pagedkv/eviction.py)
 
     @property
     def auto_evict(self) -> bool:
@@ -453,33 +422,6 @@ class PagedKVCache:
         # each policy wraps the core's method or keeps it (then the hot path is the core's own)
         self.append = self._policies.wrap_append(self._core.append)
         self.append_batch = self._policies.wrap_append_batch(self._core.append_batch)
-
-    def eviction_order(self, exclude: Iterable[int] = ()) -> List[int]:
-        """Live sequence ids in the order the strategy would evict them."""
-        return self._evictor.order(exclude)
-
-    def select_eviction_target(self, exclude: Iterable[int] = ()) -> Optional[int]:
-        """The id the strategy would evict next (None when no live sequence
-        remains outside `exclude`).  Changes nothing."""
-        return self._evictor.select(exclude)
-
-    def evict(self, sid: Optional[int] = None) -> Optional[int]:
-        """Evict a whole sequence now and return its id.
-
-        With `sid`, that sequence (cause "manual"); without, the strategy's
-        choice (cause "strategy"), or None when there is no live sequence.
-        The sequence is freed: its id raises KeyError from then on and the
-        blocks it held alone return to the pool.  The eviction is reported to
-        ``on_evict`` and recorded in ``eviction_log`` and the statistics."""
-        return self._evictor.evict(sid)
-
-    def evict_to_threshold(self, utilization: Optional[float] = None,
-                           exclude: Iterable[int] = ()) -> List[int]:
-        """Evict sequences in the strategy's order until used blocks / total
-        blocks <= `utilization` (default: ``eviction_threshold``) or no
-        sequence outside `exclude` is left.  Returns the evicted ids in order
-        (cause "threshold")."""
-        return self._evictor.evict_to_threshold(utilization, exclude)
 
     # ------------------------------------------------------------------
     # persistence, compaction and resize

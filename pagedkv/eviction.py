@@ -314,6 +314,70 @@ class SequenceEvictor(CachePolicy):
         return sum(1 for b, c in held.items() if c + mine.get(b, 0) == core.ref_count(b))
 
 
+class EvictionMethods:
+    """PagedKVCache's whole-sequence eviction methods and settings, over its ``_evictor``
+    (a SequenceEvictor; ``auto_evict``, which rebinds the append methods, is the cache's)."""
+
+    @property
+    def eviction_strategy(self) -> EvictionStrategy:
+        """The whole-sequence eviction strategy (settable; names are accepted)."""
+        return self._evictor.strategy
+
+    @eviction_strategy.setter
+    def eviction_strategy(self, value: Union[str, EvictionStrategy]) -> None:
+        self._evictor.strategy = value
+
+    @property
+    def eviction_threshold(self) -> float:
+        """Default target utilization of evict_to_threshold() (settable, in [0, 1])."""
+        return self._evictor.threshold
+
+    @eviction_threshold.setter
+    def eviction_threshold(self, value: float) -> None:
+        self._evictor.threshold = value
+
+    @property
+    def on_evict(self) -> Optional[OnEvict]:
+        """``callback(sid, cause)`` called after every whole-sequence eviction (settable)."""
+        return self._evictor.on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Optional[OnEvict]) -> None:
+        self._evictor.on_evict = fn
+
+    @property
+    def eviction_log(self):
+        """The latest whole-sequence evictions (EvictionRecord), oldest first (at most 1024)."""
+        return self._evictor.log
+
+    def eviction_order(self, exclude: Iterable[int] = ()) -> List[int]:
+        """Live sequence ids in the order the strategy would evict them."""
+        return self._evictor.order(exclude)
+
+    def select_eviction_target(self, exclude: Iterable[int] = ()) -> Optional[int]:
+        """The id the strategy would evict next (None when no live sequence
+        remains outside `exclude`).  Changes nothing."""
+        return self._evictor.select(exclude)
+
+    def evict(self, sid: Optional[int] = None) -> Optional[int]:
+        """Evict a whole sequence now and return its id.
+
+        With `sid`, that sequence (cause "manual"); without, the strategy's
+        choice (cause "strategy"), or None when there is no live sequence.
+        The sequence is freed: its id raises KeyError from then on and the
+        blocks it held alone return to the pool.  The eviction is reported to
+        ``on_evict`` and recorded in ``eviction_log`` and the statistics."""
+        return self._evictor.evict(sid)
+
+    def evict_to_threshold(self, utilization: Optional[float] = None,
+                           exclude: Iterable[int] = ()) -> List[int]:
+        """Evict sequences in the strategy's order until used blocks / total
+        blocks <= `utilization` (default: ``eviction_threshold``) or no
+        sequence outside `exclude` is left.  Returns the evicted ids in order
+        (cause "threshold")."""
+        return self._evictor.evict_to_threshold(utilization, exclude)
+
+
 def id_set(ids) -> set:
     return {int(s) for s in ids}
 
