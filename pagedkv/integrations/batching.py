@@ -65,13 +65,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
-# the scheduler's parts: pools (sizing, layer groups), the packed step, per-request sampling;
-# hf.py and callers import some of these from here
-from pagedkv.integrations.pools import (DEFAULT_TOKENS_PER_SEQ, HALF_DTYPES,  # noqa: F401
-                                        Group, blocks_per_group, group_blocks, model_geometry,
-                                        num_blocks_for_bytes, resolve_num_blocks, single_group)
+# the scheduler's parts: the layer groups, the attention, pools (sizing), the packed step,
+# per-request sampling
+from pagedkv.integrations.attention import ATTENTION_NAME, register
+from pagedkv.integrations.layers import group_layers, layer_windows, sliding_policy
+from pagedkv.integrations.pools import (DEFAULT_TOKENS_PER_SEQ, HALF_DTYPES, Group, group_blocks,
+                                        model_geometry, num_blocks_for_bytes, single_group)
 from pagedkv.integrations.sampling import Sampling, sample
-from pagedkv.integrations.step import STEP_KWARG, StepPlan, kernel_options  # noqa: F401
+from pagedkv.integrations.step import STEP_KWARG, StepPlan
 
 __all__ = ["BatcherStats", "ContinuousBatcher", "StepEvent", "num_blocks_for_bytes"]
 
@@ -170,7 +171,6 @@ class ContinuousBatcher:
                  kv_dtype: Optional[str] = None, prefix_caching: bool = False,
                  max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv_cache_bytes: Optional[int] = None):
-        from pagedkv.integrations import hf  # noqa: PLC0415 - hf imports this module
 
         for name, val in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs),
                           ("block_size", block_size)):
@@ -178,8 +178,8 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
         geometry = model_geometry(model)
         config = model.config.get_text_config(decoder=True)
-        windows = hf.layer_windows(config)
-        layer_groups = hf.group_layers(windows)
+        windows = layer_windows(config)
+        layer_groups = group_layers(windows)
         sliding = {name: w for name, (w, _) in layer_groups.items() if w is not None}
         if prefix_caching and sliding:
             raise NotImplementedError(
@@ -188,7 +188,7 @@ class ContinuousBatcher:
                 f"{type(model).__name__}: a sliding group keeps only each sequence's last "
                 "tokens, so a cached prefix would lack the K/V its sliding layers need; "
                 "use prefix_caching=False")
-        keep = {name: hf.sliding_policy(w).window_tokens for name, w in sliding.items()}
+        keep = {name: sliding_policy(w).window_tokens for name, w in sliding.items()}
         # more blocks than a sliding group's running requests ever hold at once: what each
         # keeps plus two straddled blocks, and the step's tokens
         caps = {name: int(max_seqs) * (-(-r // block_size) + 2) + -(-int(max_batch_tokens) //
@@ -202,7 +202,7 @@ class ContinuousBatcher:
             cache = PagedKVCache(num_blocks=blocks_of[name], block_size=block_size,
                                  kv_dtype=kv_dtype, max_seqs=max_seqs,
                                  prefix_caching=prefix_caching,
-                                 streaming=None if w is None else hf.sliding_policy(w),
+                                 streaming=None if w is None else sliding_policy(w),
                                  raw16=geometry["dtype"] in HALF_DTYPES,
                                  **dict(geometry, num_layers=len(layers)))
             for local, i in enumerate(layers):
@@ -213,9 +213,9 @@ class ContinuousBatcher:
         self.vocab_size = int(config.vocab_size)
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_seqs = int(max_seqs)
-        hf.register()
-        if model.config._attn_implementation != hf.ATTENTION_NAME:
-            model.set_attn_implementation(hf.ATTENTION_NAME)
+        register()
+        if model.config._attn_implementation != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
         # a 4-D mask is taken as prepared: transformers builds none (the plan is the mask)
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool)
         self._requests: Dict[int, _Request] = {}

@@ -6,7 +6,8 @@
     print(cache.paged.stats())                           # the PagedKVCache underneath
 
 Many requests at once: ``ContinuousBatcher`` (continuous batching on the same layer groups;
-it lives in ``pagedkv/integrations/batching.py`` and is re-exported here).
+it lives in ``pagedkv/integrations/batching.py`` and is re-exported here).  The layer groups
+are ``layers.py``'s, the "pagedkv" attention function ``attention.py``'s (both re-exported).
 
 Needs the ``hf`` extra (``pip install 'pagedkv[hf]'``: transformers 5.x and torch); ``import
 pagedkv`` never imports either.  Inference only (no autograd through the attention).
@@ -60,7 +61,6 @@ re-rounds every key at every eviction.  Only the "default" RoPE type is supporte
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import List, Optional, Sequence
 
@@ -68,85 +68,27 @@ import numpy as np
 
 try:
     import torch
-    from transformers import AttentionInterface, Cache
+    from transformers import Cache
     from transformers.cache_utils import CacheLayerMixin
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("pagedkv.integrations.hf needs transformers and torch: "
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.integrations.batching import (STEP_KWARG, ContinuousBatcher, blocks_per_group,
-                                           kernel_options, model_geometry, resolve_num_blocks,
-                                           single_group)
+from pagedkv.integrations.attention import (ATTENTION_NAME, LINK, pagedkv_attention,  # noqa: F401
+                                            register)
+from pagedkv.integrations.batching import ContinuousBatcher
+from pagedkv.integrations.layers import (FULL, group_layers, layer_groups, layer_windows,
+                                         sliding_policy)
+from pagedkv.integrations.pools import (TORCH_DTYPES, blocks_per_group, model_geometry,
+                                        resolve_num_blocks, single_group)
+from pagedkv.integrations.step import numpy_view
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
 __all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "layer_groups",
            "layer_windows", "paged_cache", "register"]
 
-ATTENTION_NAME = "pagedkv"
-_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-           torch.float16: "float16"}
-_LINK = "_pagedkv_layer"
-
-
-def register() -> None:
-    """Register the "pagedkv" attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(ATTENTION_NAME, pagedkv_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
-
-
-def layer_windows(config) -> List[Optional[int]]:
-    """The sliding window of each decoder layer (None: full attention) from a text config.
-
-    ``config.layer_types`` ("full_attention" / "sliding_attention", Gemma 2/3, gpt-oss, Qwen2/3)
-    where the config has it, else ``config.sliding_window`` for every layer (Mistral) unless
-    ``use_sliding_window`` is False.  Any other layer type raises NotImplementedError naming it.
-    """
-    num_layers = int(config.num_hidden_layers)
-    sw = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        slide = sw is not None and getattr(config, "use_sliding_window", True) is not False
-        types = [SLIDING if slide else FULL] * num_layers
-    types = list(types)
-    if len(types) != num_layers:
-        raise ValueError(f"config.layer_types names {len(types)} layers; the model has {num_layers}")
-    other = sorted({t for t in types if t not in (FULL, SLIDING)})
-    if other:
-        raise NotImplementedError(
-            f"pagedkv supports 'full_attention' and 'sliding_attention' layers; this model has "
-            f"{', '.join(map(repr, other))} layers")
-    if SLIDING in types and (isinstance(sw, bool) or not isinstance(sw, int) or sw < 1):
-        raise ValueError(f"sliding-window layers need config.sliding_window >= 1, got {sw!r}")
-    return [int(sw) if t == SLIDING else None for t in types]
-
-
-def _group_name(window: Optional[int], windows) -> str:
-    if window is None:
-        return FULL
-    return SLIDING if len({w for w in windows if w is not None}) == 1 else f"{SLIDING}_{window}"
-
-
-def group_layers(windows: Sequence[Optional[int]]) -> dict:
-    """{group name: (window or None, layer indices)} of ``layer_windows(config)``: the layer
-    groups of ``paged_cache`` and of ``ContinuousBatcher``, in order of first layer."""
-    out: dict = {}
-    for i, w in enumerate(windows):
-        out.setdefault(_group_name(w, windows), (w, []))[1].append(i)
-    return out
-
-
-def sliding_policy(window: int) -> StreamingLLM:
-    """What a sliding group with this window keeps before each step: its last
-    ``window - 1`` tokens (at least 1 for the policy), no sinks."""
-    return StreamingLLM(sink_tokens=0, window_tokens=max(int(window) - 1, 1))
 
 
 def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional[str] = None,
@@ -226,12 +168,6 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
     return PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
-
-
-def layer_groups(model) -> dict:
-    """{group name: layer indices} that ``paged_cache(model, ...)`` would build."""
-    windows = layer_windows(model.config.get_text_config(decoder=True))
-    return {name: layers for name, (_, layers) in group_layers(windows).items()}
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,
@@ -396,7 +332,7 @@ class PagedLayer(CacheLayerMixin):
                              f"{tuple(value_states.shape)} {value_states.dtype} must match")
         self.rows.ensure(key_states.shape[0])
         self.pending = (key_states, value_states)  # `seen` grows once they are stored
-        setattr(key_states, _LINK, self)
+        setattr(key_states, LINK, self)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int):
@@ -414,7 +350,7 @@ class PagedLayer(CacheLayerMixin):
         self.pending = None
         paged, rows = self.rows.paged, self.rows
         B, hq, T, D = query.shape
-        dtype = _DTYPES.get(query.dtype)
+        dtype = TORCH_DTYPES.get(query.dtype)
         if dtype is None or dtype != paged.dtype_name or key.dtype != query.dtype:
             raise TypeError(f"the cache holds {paged.dtype_name} arrays; the model gave queries "
                             f"{query.dtype} and keys {key.dtype}")
@@ -424,11 +360,11 @@ class PagedLayer(CacheLayerMixin):
         real = _real_tokens(attention_mask, B, T)
         layer = self.local_idx
         opts = dict(window=window, softcap=softcap, sinks=sinks)
-        q = _numpy(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
-        k = _numpy(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
-        v = _numpy(value).transpose(0, 2, 1, 3)
+        q = numpy_view(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
+        k = numpy_view(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
+        v = numpy_view(value).transpose(0, 2, 1, 3)
         out = torch.empty((B, T, hq, D), dtype=query.dtype)
-        o = _numpy(out)
+        o = numpy_view(out)
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
             self.seen += 1
@@ -469,14 +405,6 @@ class PagedLayer(CacheLayerMixin):
         return out
 
 
-def _numpy(t) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy; strides kept); 16-bit floats as uint16 bits."""
-    t = t.detach() if t.requires_grad else t
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
 def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
     """Which of the T new tokens of each row are real, [B, T] bool, or None when all are.
 
@@ -499,38 +427,6 @@ def _real_tokens(mask, B: int, T: int) -> Optional[np.ndarray]:
     if bool(diag.all()):
         return None
     return diag.expand(B, T).numpy().copy()
-
-
-def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      **kwargs):
-    """The "pagedkv" attention function (``transformers.AttentionInterface``).
-
-    query [B, Hq, Tq, D], key/value as returned by the cache's ``update``; returns
-    ``([B, Tq, Hq, D], None)``.  Without a ``PagedCache`` link on ``key``, transformers' sdpa
-    attention runs instead.
-    """
-    step = kwargs.pop(STEP_KWARG, None)
-    if step is not None:  # a ContinuousBatcher step (pagedkv/integrations/step.py)
-        return step.attend(module, query, key, value, scaling, dict(kwargs, dropout=dropout)), None
-    layer = getattr(key, _LINK, None)
-    softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
-    if layer is None:
-        if softcap is not None or s_aux is not None:  # sdpa has neither: the model's eager
-            eager = getattr(importlib.import_module(type(module).__module__),
-                            "eager_attention_forward", None)
-            if eager is None:
-                raise NotImplementedError(f"{type(module).__name__} uses softcap / s_aux and "
-                                          "has no eager_attention_forward to fall back on")
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
-                # the "pagedkv" mask is sdpa's boolean one; eager adds a float mask
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min)
-            return eager(module, query, key, value, attention_mask, dropout=dropout,
-                         scaling=scaling, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    opts = kernel_options(layer.layer_idx, layer.window, dict(kwargs, dropout=dropout))
-    return layer.attend(query, attention_mask, scaling, **opts), None
 
 
 class PagedCache(Cache):

@@ -12,7 +12,7 @@ import torch
 from pagedkv._core import CacheCore
 from pagedkv.cache import PagedKVCache
 
-_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
                  torch.float16: "float16"}
 HALF_DTYPES = ("bfloat16", "float16")
 # with neither num_blocks nor kv_cache_bytes: room for max_seqs sequences of this many
@@ -50,7 +50,7 @@ def model_geometry(model) -> Dict[str, object]:
     config = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu":
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
-    dtype = _TORCH_DTYPES.get(model.dtype)
+    dtype = TORCH_DTYPES.get(model.dtype)
     if dtype is None:
         raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
                         f"is {model.dtype}")

@@ -43,8 +43,10 @@ def kernel_options(layer_idx: int, window: Optional[int], kwargs) -> Dict[str, o
 # what one step hands to the attention function
 
 
-def _numpy(t) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy); 16-bit floats as their uint16 bits."""
+def numpy_view(t) -> np.ndarray:
+    """A NumPy view of a CPU tensor (no copy; strides kept); 16-bit floats as their uint16
+    bits."""
+    t = t.detach() if t.requires_grad else t
     if t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
@@ -81,11 +83,11 @@ class StepPlan:
                              f"the attention got queries {tuple(query.shape)} and keys "
                              f"{tuple(key.shape)}")
         cache = group.cache
-        q = _numpy(query[0].transpose(0, 1))     # [T, Hq, D] (views)
-        k = _numpy(key[0].transpose(0, 1))       # [T, Hkv, D]
-        v = _numpy(value[0].transpose(0, 1))
+        q = numpy_view(query[0].transpose(0, 1))     # [T, Hq, D] (views)
+        k = numpy_view(key[0].transpose(0, 1))       # [T, Hkv, D]
+        v = numpy_view(value[0].transpose(0, 1))
         out = torch.empty((1, T, hq, D), dtype=query.dtype)
-        o = _numpy(out)[0]
+        o = numpy_view(out)[0]
         sids = self.decode_sids[g]
         B = len(sids)
         if B:
