@@ -1,8 +1,8 @@
 #!/bin/sh
 # Build benchmarks/c/decode_ceiling with the flags of setup.py (portable: no
-# -m flags, the SIMD path is chosen at run time) and run the decode cases of
-# issue 8 at 1 and 2 threads (OMP_WAIT_POLICY=passive makes the CPU-time
-# ratios meaningful).  Extra compiler flags (e.g. -DPKV_PF_AHEAD=0 to try a
+# -m flags, the SIMD path is chosen at run time) and run the decode cases
+# at 1 and 2 threads (OMP_WAIT_POLICY=passive makes the CPU-time
+# ratios meaningful).  Extra compiler flags (e.g. -DPKV_PREFETCH_UNITS=0 to try a
 # variant of the kernel) go in CFLAGS.
 #   benchmarks/c/run.sh [rounds]          PAGEDKV_SIMD=scalar|avx2|avx512 forces a path
 set -e
