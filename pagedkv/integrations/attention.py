@@ -56,4 +56,9 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     opts = kernel_options(layer.layer_idx, layer.window, dict(kwargs, dropout=dropout))
-    return layer.attend(query, attention_mask, scaling, **opts), None
+
+    def own_kv(k, v):  # a fresh prompt over its own K/V, as transformers runs it (hf.py)
+        return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)[0]
+
+    return layer.attend(query, attention_mask, scaling, own_kv=own_kv, **opts), None

@@ -93,7 +93,8 @@ __all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "l
 
 def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional[str] = None,
                 streaming: Optional[StreamingLLM] = None, max_seqs: int = 256,
-                kv_cache_bytes: Optional[int] = None) -> "PagedCache":
+                kv_cache_bytes: Optional[int] = None,
+                prompt_attention: str = "torch") -> "PagedCache":
     """A ``transformers.Cache`` backed by pagedkv, for ``past_key_values=``.
 
     Also registers the "pagedkv" attention and switches ``model`` to it (the model then uses
@@ -119,6 +120,12 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         kv_cache_bytes: a memory budget instead of ``num_blocks``: as many blocks as fit,
             split across the groups by their layers (every group gets the same number of
             blocks; ``cache.paged.num_blocks`` / ``cache.groups`` tell how many).
+        prompt_attention: how a prompt with nothing cached before it attends. "torch"
+            (default): over its own K/V with transformers' sdpa attention, as DynamicCache
+            runs it, while its K/V are written into the pages; "pagedkv": pagedkv's causal
+            prefill kernel over the pages.  Every later step (decode, a second turn, chunks)
+            runs pagedkv's kernels.  Under StreamingLLM, and for layers with logit
+            softcapping or learned sinks, prompts always run the kernels.
 
     Returns:
         a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache`` (one group),
@@ -127,6 +134,8 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     Raises:
         NotImplementedError: the model has layers pagedkv cannot run (the message names them).
     """
+    if prompt_attention not in ("torch", "pagedkv"):
+        raise ValueError(f"prompt_attention must be 'torch' or 'pagedkv', got {prompt_attention!r}")
     config = model.config.get_text_config(decoder=True)
     geometry = model_geometry(model)  # CPU, dtype and encoder-decoder checks
     dtype, num_kv_heads, head_dim = (geometry["dtype"], geometry["num_kv_heads"],
@@ -167,7 +176,10 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     register()
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
-    return PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
+    cache = PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
+    for rows in cache.group_rows.values():
+        rows.torch_prompts = prompt_attention == "torch"
+    return cache
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,
@@ -199,6 +211,7 @@ class _Rows:
         self.paged = paged
         self.window = window  # sliding window of the group's layers (None: full attention)
         self.name = name
+        self.torch_prompts = True  # paged_cache's prompt_attention="torch"
         self.sids: Optional[List[int]] = None
         self.sid_array: Optional[np.ndarray] = None
         self.skipped: List[List[int]] = []
@@ -345,7 +358,10 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     def attend(self, query, attention_mask, scaling, window=None, softcap=None,
-               sinks=None) -> "torch.Tensor":
+               sinks=None, own_kv=None) -> "torch.Tensor":
+        """Store the pending K/V of the new tokens and attend; ``own_kv(key, value)``: torch's
+        attention over the new tokens' own K/V, used for a fresh prompt (see paged_cache's
+        ``prompt_attention``)."""
         key, value = self.pending
         self.pending = None
         paged, rows = self.rows.paged, self.rows
@@ -359,6 +375,10 @@ class PagedLayer(CacheLayerMixin):
                              f"{tuple(key.shape)} disagree in batch or length")
         real = _real_tokens(attention_mask, B, T)
         layer = self.local_idx
+        # nothing before these tokens: their attention is over their own K/V, which torch
+        # runs as fast as DynamicCache does (no RoPE by rank, softcap or sinks to apply)
+        fresh = (own_kv is not None and rows.torch_prompts and self.seen == 0 and T > 1
+                 and paged.rope is None and softcap is None and sinks is None)
         opts = dict(window=window, softcap=softcap, sinks=sinks)
         q = numpy_view(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
         k = numpy_view(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
@@ -394,6 +414,8 @@ class PagedLayer(CacheLayerMixin):
             for b in range(B):
                 rows.skipped[b].extend((self.seen + np.flatnonzero(~real[b])).tolist())
         self.seen += T
+        if fresh:
+            return own_kv(key, value)
         for b, sid in enumerate(rows.sids):
             if real is None:
                 paged.attend(sid, q[b], layer=layer, scale=scaling, out=o[b], **opts)

@@ -39,10 +39,11 @@ def _same(ref, out, mask=None):
         assert (a - b).abs().max().item() <= LOGIT_RTOL * scale
 
 
-def test_greedy_32_tokens_match_dynamic_cache(models):
+@pytest.mark.parametrize("prompt_attention", ["torch", "pagedkv"])
+def test_greedy_32_tokens_match_dynamic_cache(models, prompt_attention):
     ours, ref = models
     ids = prompt_ids(1, 1, 20)
-    cache = paged_cache(ours, num_blocks=32, block_size=16)
+    cache = paged_cache(ours, num_blocks=32, block_size=16, prompt_attention=prompt_attention)
     assert isinstance(cache, PagedCache) and isinstance(cache.paged, pagedkv.PagedKVCache)
     assert ours.config._attn_implementation == "pagedkv"
     out = _gen(ours, ids, max_new_tokens=32, past_key_values=cache)
@@ -53,14 +54,35 @@ def test_greedy_32_tokens_match_dynamic_cache(models):
     assert cache.paged.stats().blocks_used == 4
 
 
-def test_left_padded_batch_of_three(models):
+def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
+    """prompt_attention="torch": a fresh prompt's logits are DynamicCache + sdpa's, bit for bit
+    (the same computation), and its K/V are in the pages (the decode steps read them);
+    "pagedkv": the prefill kernel, within the float32 tolerance."""
+    ours, ref = models
+    ids = prompt_ids(16, 2, 40)
+    with torch.no_grad():
+        want = ref(ids, past_key_values=DynamicCache(config=ref.config)).logits
+        cache = paged_cache(ours, num_blocks=32, block_size=8)
+        got = ours(ids, past_key_values=cache).logits
+        assert torch.equal(got, want)
+        assert [cache.paged.seq_len(s) for s in cache.sequence_ids] == [40, 40]
+        kernel = ours(ids, past_key_values=paged_cache(ours, num_blocks=32, block_size=8,
+                                                       prompt_attention="pagedkv")).logits
+    assert not torch.equal(kernel, want)  # another order of float32 sums
+    assert (kernel - want).abs().max().item() <= LOGIT_RTOL * want.abs().max().item()
+    with pytest.raises(ValueError, match="prompt_attention"):
+        paged_cache(ours, num_blocks=8, prompt_attention="sdpa")
+
+
+@pytest.mark.parametrize("prompt_attention", ["torch", "pagedkv"])
+def test_left_padded_batch_of_three(models, prompt_attention):
     ours, ref = models
     ids = prompt_ids(2, 3, 14)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     mask[2, :11] = 0
     ids[mask == 0] = 0
-    cache = paged_cache(ours, num_blocks=32, block_size=8)
+    cache = paged_cache(ours, num_blocks=32, block_size=8, prompt_attention=prompt_attention)
     out = _gen(ours, ids, attention_mask=mask, max_new_tokens=24, past_key_values=cache)
     _same(_gen(ref, ids, attention_mask=mask, max_new_tokens=24), out)
     # padding is never stored: each row holds its real tokens only

@@ -101,11 +101,12 @@ def _same(ref, out, what):
         assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item(), what
 
 
+@pytest.mark.parametrize("prompt_attention", ["torch", "pagedkv"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_matches_dynamic_cache(name):
+def test_family_matches_dynamic_cache(name, prompt_attention):
     ours, ref = _models(name)
     ids, mask = _batch(1, [14, 9])
-    cache = paged_cache(ours, num_blocks=64, block_size=4)
+    cache = paged_cache(ours, num_blocks=64, block_size=4, prompt_attention=prompt_attention)
     r1 = _gen(ref, ids, mask, max_new_tokens=20, min_new_tokens=20)
     o1 = _gen(ours, ids, mask, past_key_values=cache, max_new_tokens=20, min_new_tokens=20)
     _same(r1, o1, "first turn")
