@@ -27,7 +27,9 @@ model's attention function, which is never handed the cache):
   the ``"pagedkv"`` attention function finds the layer on the key tensor it receives.
 - The attention function reads which of the new tokens are real (not padding) from the mask,
   appends only those to each row's sequence (padding is never stored, so nothing ever
-  attends to it), then runs pagedkv's kernels over the pages: ``attend_batch`` for a decode
+  attends to it), then, for a prompt with nothing cached before it (``prompt_attention=
+  "torch"``), runs transformers' sdpa over the new tokens' own K/V, else pagedkv's kernels
+  over the pages: ``attend_batch`` for a decode
   step of the whole batch, ``attend`` (causal) per row for prefills and chunks.  GQA reads
   KV head ``h // (Hq // Hkv)`` directly, no ``repeat_kv``; K/V/Q/output are NumPy views of
   the torch tensors (copied only where the model's layout is not contiguous).
