@@ -24,6 +24,11 @@ HKV, D, BS = 8, 128, 16
 N_APPENDS = 10_000
 KIB = 1024
 MIB = 1024 * 1024
+#: under tools/sanitize.sh (ASan preloaded) freed memory sits in the allocator's quarantine (up
+#: to 256 MiB) instead of being reused, so resident size grows with any malloc/free pair,
+#: tracemalloc's own bookkeeping included: RSS is no measure of growth there and is not checked
+#: (tracemalloc's figures and the block counts still are)
+RSS_LIMIT = None if "libasan" in os.environ.get("LD_PRELOAD", "") else MIB
 
 
 def rss_bytes():
@@ -110,7 +115,7 @@ def test_single_token_appends_allocate_nothing(rng, kv_dtype):
         grew = _growth(cache, loop)
     assert cache.seq_len(sid) == warm + N_APPENDS
     assert grew["blocks"] == -(-N_APPENDS // BS) == 625
-    assert grew["traced"] < KIB and grew["rss"] < MIB, grew
+    assert grew["traced"] < KIB and (RSS_LIMIT is None or grew["rss"] < RSS_LIMIT), grew
     # And the tokens really landed.
     gk, gv = cache.gather(sid)
     np.testing.assert_array_equal(gk[-1], ref_stored(k, kv_dtype, np.float32)[0])
@@ -171,7 +176,7 @@ def test_decode_step_with_out_allocates_nothing(rng, kv_dtype):
     length = prompt + 50 + steps
     assert all(cache.seq_len(int(s)) == length for s in sids)
     assert grew["blocks"] == batch * (-(-length // BS) - -(-(prompt + 50) // BS))
-    assert grew["traced"] < KIB and grew["rss"] < MIB, grew
+    assert grew["traced"] < KIB and (RSS_LIMIT is None or grew["rss"] < RSS_LIMIT), grew
     assert np.isfinite(out).all()
 
 
