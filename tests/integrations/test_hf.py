@@ -9,7 +9,7 @@ The StreamingLLM test compares with a NumPy re-run of the same model with the pa
 import numpy as np
 import pytest
 
-from tiny_llama import llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
+from tiny_llama import left_padded, llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
@@ -77,11 +77,7 @@ def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
 @pytest.mark.parametrize("prompt_attention", ["torch", "pagedkv"])
 def test_left_padded_batch_of_three(models, prompt_attention):
     ours, ref = models
-    ids = prompt_ids(2, 3, 14)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    mask[2, :11] = 0
-    ids[mask == 0] = 0
+    ids, mask = left_padded(2, 14, [0, 5, 11])
     cache = paged_cache(ours, num_blocks=32, block_size=8, prompt_attention=prompt_attention)
     out = _gen(ours, ids, attention_mask=mask, max_new_tokens=24, past_key_values=cache)
     _same(_gen(ref, ids, attention_mask=mask, max_new_tokens=24), out)

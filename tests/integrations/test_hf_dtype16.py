@@ -14,7 +14,7 @@ exact tie on AVX2 machines, where the sums run in another order than sdpa's.
 import numpy as np
 import pytest
 
-from tiny_llama import llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
+from tiny_llama import left_padded, llama_config, prompt_ids, twin_llamas  # first: it skips the module without the hf extra
 
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
@@ -73,10 +73,7 @@ def test_prompt_and_100_teacher_forced_steps(models):
 @pytest.mark.parametrize("kv_dtype", [None, "float32", "int8"])
 def test_greedy_tokens_left_padded_batch(models, kv_dtype):
     ours, ref = models
-    ids = prompt_ids(3, 2, 24)
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0
-    ids[1, :7] = 0
+    ids, mask = left_padded(3, 24, [0, 7])
     kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
     want = ref.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
     got = ours.generate(ids, past_key_values=paged_cache(ours, num_blocks=16, kv_dtype=kv_dtype),

@@ -45,6 +45,16 @@ def prompt_lists(seed, lengths):
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+def left_padded(seed, length, pads):
+    """(ids, attention mask) of len(pads) random prompts, row i left-padded by pads[i] (id 0)."""
+    ids = prompt_ids(seed, len(pads), length)
+    mask = torch.ones_like(ids)
+    for i, p in enumerate(pads):
+        mask[i, :p] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
 def prompt_ids(seed, batch, length):
     """[batch, length] random token ids (never the pad id 0)."""
     g = torch.Generator().manual_seed(seed)
