@@ -414,11 +414,11 @@ class PagedKVCache(EvictionMethods):
     @property
     def auto_evict(self) -> bool:
         """Whether appends evict other sequences instead of raising OutOfBlocksError."""
-        return self._auto_evict
+        return self._evictor.automatic
 
     @auto_evict.setter
     def auto_evict(self, on: bool) -> None:
-        self._evictor.automatic = self._auto_evict = bool(on)
+        self._evictor.automatic = bool(on)
         # each policy wraps the core's method or keeps it (then the hot path is the core's own)
         self.append = self._policies.wrap_append(self._core.append)
         self.append_batch = self._policies.wrap_append_batch(self._core.append_batch)

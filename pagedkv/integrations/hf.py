@@ -385,13 +385,12 @@ class PagedLayer(CacheLayerMixin):
         q = numpy_view(query).transpose(0, 2, 1, 3)   # [B, T, Hq, D], a view
         k = numpy_view(key).transpose(0, 2, 1, 3)     # [B, T, Hkv, D]
         v = numpy_view(value).transpose(0, 2, 1, 3)
-        out = torch.empty((B, T, hq, D), dtype=query.dtype)
-        o = numpy_view(out)
         if T == 1 and real is None:  # a decode step of the whole batch: one call each
+            out = torch.empty((B, T, hq, D), dtype=query.dtype)
             paged.append_batch(rows.sid_array, k[:, 0], v[:, 0], layer=layer)
             self.seen += 1
-            paged.attend_batch(rows.sid_array, q[:, 0], layer=layer, scale=scaling, out=o[:, 0],
-                               **opts)
+            paged.attend_batch(rows.sid_array, q[:, 0], layer=layer, scale=scaling,
+                               out=numpy_view(out)[:, 0], **opts)
             return out
         # every row's tokens first; if one row's append fails on layer 0, the rows before it
         # are truncated back, so the cache is unchanged (not under StreamingLLM: an append
@@ -418,6 +417,8 @@ class PagedLayer(CacheLayerMixin):
         self.seen += T
         if fresh:
             return own_kv(key, value)
+        out = torch.empty((B, T, hq, D), dtype=query.dtype)  # the kernels write it
+        o = numpy_view(out)
         for b, sid in enumerate(rows.sids):
             if real is None:
                 paged.attend(sid, q[b], layer=layer, scale=scaling, out=o[b], **opts)
