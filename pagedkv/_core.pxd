@@ -1,6 +1,9 @@
 # Declarations of the C headers in include/pagedkv/ (names kept as in C).
 from libc.stdint cimport int32_t, int64_t, uint64_t
 
+cdef extern from "pagedkv/alloc.h" nogil:
+    void *pkv_alloc(size_t n, void **raw)
+
 cdef extern from "pagedkv/simd.h" nogil:
     enum:
         PKV_SIMD_SCALAR

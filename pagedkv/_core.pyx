@@ -140,15 +140,14 @@ cdef inline int64_t _cdiv(int64_t a, int64_t b) noexcept nogil:
 
 
 cdef void *_zalloc(size_t n, void **raw) except NULL:
-    """Zeroed allocation aligned to 64 bytes; *raw receives the pointer to free.
+    """Zeroed allocation aligned to 64 bytes (2 MiB, with huge pages advised on Linux, for
+    2 MiB or more: include/pagedkv/alloc.h); *raw receives the pointer to free.
 
     The memory is written here (not left to lazy zero pages), so the pool is
     resident from construction on and no append ever takes a page fault."""
-    cdef void *p = malloc(n + 64)
+    cdef void *p = pkv_alloc(n, raw)
     if p == NULL:
         raise MemoryError(f"cannot allocate {n} bytes")
-    raw[0] = p
-    p = <void *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
     with nogil:
         memset(p, 0, n)
     return p
@@ -628,6 +627,12 @@ cdef class CacheCore:
         """How the last attend call ran: (threads used, KV heads per work item,
         key chunks per sequence; > 1 means split-K with a log-sum-exp merge)."""
         return (self.plan[0], self.plan[1], self.plan[2])
+
+    @property
+    def arena_address(self):
+        """(address, bytes) of the pool's arena (for tests: its alignment and huge-page
+        advice, include/pagedkv/alloc.h)."""
+        return (<uintptr_t>self.pool.arena, self.pool.geom.block_bytes * <size_t>self.pool.num_blocks)
 
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""

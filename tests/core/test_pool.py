@@ -19,6 +19,40 @@ from small import HKV, D, fill, small_cache, toks
 # Construction and properties
 
 
+def _vm_flags(addr: int):
+    """VmFlags of the mapping holding addr in /proc/self/smaps (None off Linux)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+def test_arena_alignment_and_huge_page_advice():
+    """Pools of 2 MiB or more start on a 2 MiB boundary and (on Linux) carry the MADV_HUGEPAGE
+    advice, shown as "hg" in the mapping's VmFlags; small pools are 64-byte aligned."""
+    big = pagedkv.PagedKVCache(num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64,
+                               num_layers=2)  # 64 blocks of 64 KiB: 4 MiB
+    addr, size = big._core.arena_address
+    assert size == 64 * 16 * 4 * 64 * 4 * 2 * 2
+    assert addr % (2 << 20) == 0
+    flags = _vm_flags(addr)
+    if flags is not None:
+        assert "hg" in flags, flags
+    small = small_cache(num_blocks=4, block_size=4)
+    addr, size = small._core.arena_address
+    assert size < (2 << 20) and addr % 64 == 0
+
+
+
 def test_new_cache_properties_and_all_blocks_free():
     cache = small_cache(num_blocks=10, block_size=4)
     assert cache.num_blocks == 10
