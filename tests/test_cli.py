@@ -180,13 +180,13 @@ def test_demo_without_the_hf_extra(capsys, monkeypatch):
 
 
 def test_bench_hf_suite(tmp_path, capsys):
-    data = _bench(tmp_path, "--suites", "hf", "--threads", "1")
+    data = _bench(tmp_path, "--suites", "hf", "--threads", "1,2")
     recs = [r for r in data["records"] if r["suite"] == "hf"]
     if not HAVE_HF:
         assert recs == [{"suite": "hf", "available": False}]
         assert "hf suite skipped" in capsys.readouterr().out
         return
-    assert [r["context"] for r in recs] == [48, 96]
+    assert [(r["context"], r["threads"]) for r in recs] == [(48, 1), (48, 2), (96, 1), (96, 2)]
     for r in recs:
         assert r["tokens_match"] == {"pagedkv": True, "pagedkv-bfloat16": True}
         assert _positive_finite(r["ratio"])

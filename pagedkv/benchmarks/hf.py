@@ -13,8 +13,9 @@ f32 weights:
 * "h1024" (only with ``--hf-models h1024``): hidden 1024, 4 layers, 16 query heads, 4 KV
   heads, head_dim 64, MLP 4096; 16,384 too with ``--long``.
 
-pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in the model's dtype.  For each
-context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
+pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in the model's dtype.
+Every (model, context) runs at each of ``--threads``' counts (pagedkv's and torch's threads
+alike; the default ``1,all`` doubles the suite's time).  For each context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
 (``prefill_rounds`` times, median: time to first token without the last token's forward);
 then every round runs ``generate(prompt, max_new_tokens=N)`` greedily on each cache,
 interleaved (the order alternates), and crops the N new positions off again.
@@ -78,7 +79,7 @@ def parse_models(text) -> tuple:
 
 
 def steps(settings: Settings) -> int:
-    return len(_plan(settings))
+    return len(_plan(settings)) * len(settings.threads)
 
 
 def _impl(storage: str) -> str:
@@ -90,7 +91,6 @@ def run(settings: Settings, torch, transformers) -> List[dict]:
     from pagedkv.integrations.hf import paged_cache  # noqa: PLC0415
 
     DynamicCache, LlamaConfig = transformers.DynamicCache, transformers.LlamaConfig
-    threads = max(settings.threads)
     new = 4 if settings.tiny else NEW_TOKENS
     plan = _plan(settings)
     max_ctx = max(c for _, c in plan)
@@ -104,15 +104,16 @@ def run(settings: Settings, torch, transformers) -> List[dict]:
 
     recs = []
     pair = {}
-    with ThreadScope(threads, torch), torch.no_grad():
-        for name, L in plan:
+    with torch.no_grad():
+        for (name, L), threads in ((p, t) for p in plan for t in settings.threads):
             if name not in pair:
                 pair.clear()  # one model pair in memory at a time
                 ours, base = model(name), model(name)
                 base.set_attn_implementation("sdpa")
                 pair[name] = (ours, base)
             ours, base = pair[name]
-            with settings.stage(f"hf: {name} context {L}"):
+            with settings.stage(f"hf: {name} context {L}, {threads} thread(s)"), \
+                    ThreadScope(threads, torch):
                 vocab = MODELS[name]["vocab_size"]
                 ids = torch.randint(1, vocab, (1, L), generator=torch.Generator().manual_seed(L))
                 nblk = -(-(L + new) // BLOCK_SIZE) + 1
@@ -177,7 +178,7 @@ def report(settings: Settings, recs: List[dict]) -> str:
         return "transformers generate: skipped (pip install 'pagedkv[hf]')"
     r0 = recs[0]
     head = (f"transformers generate, greedy, {r0['new_tokens']} new tokens after a prefilled "
-            f"context; random Llama-shaped models, {r0['threads']} thread(s); "
+            "context, at each thread count (thr); random Llama-shaped models; "
             "small = hidden 256, 2 layers, Hq=8 Hkv=4 D=64; 1b-layers = 2 layers of "
             "Llama-3.2-1B (hidden 2048, Hq=32 Hkv=8 D=64, MLP 8192; -bf16: bfloat16 weights, "
             "DynamicCache in bfloat16 too); h1024 = hidden 1024, "
@@ -188,7 +189,7 @@ def report(settings: Settings, recs: List[dict]) -> str:
     rows = []
     for r in recs:
         tp = r["tokens_per_s"]
-        rows.append([r.get("model_name", "small"), str(r["context"]),
+        rows.append([r.get("model_name", "small"), str(r["context"]), str(r["threads"]),
                      f"{tp['pagedkv']:.1f} / {tp['pagedkv-bfloat16']:.1f}", f"{tp[DYN]:.1f}",
                      f"{fmt_ratio(r['ratios']['pagedkv'])} / "
                      f"{fmt_ratio(r['ratios']['pagedkv-bfloat16'])}",
@@ -200,7 +201,7 @@ def report(settings: Settings, recs: List[dict]) -> str:
                      " / ".join("yes" if r["tokens_match"][i] else "no"
                                 for i in ("pagedkv", "pagedkv-bfloat16"))])
     return section(
-        head, ["model", "context", "pagedkv f32 / bf16 tok/s", "DynamicCache+sdpa tok/s",
+        head, ["model", "context", "thr", "pagedkv f32 / bf16 tok/s", "DynamicCache+sdpa tok/s",
                "decode ratio f32 / bf16", "prefill pagedkv f32 / bf16", "prefill sdpa",
                "prefill ratio f32 / bf16", "same tokens f32 / bf16"], rows,
-        [False, True, True, True, True, True, True, True, False])
+        [False, True, True, True, True, True, True, True, True, False])
