@@ -140,6 +140,19 @@ typedef struct {
  * least this many tokens. */
 #define PKV_SPLIT_MIN 256
 
+/* Key chunks per sequence for `base` decode work items on `nthreads`
+ * threads (attn_calls.h): enough items for the threads, at most `slots`
+ * partial states in all, at least PKV_SPLIT_MIN keys of the shortest
+ * sequence (`held_min` visible keys) per chunk; 1 is no split. */
+static inline int64_t pkv_decode_chunks(int64_t base, int nthreads, int64_t slots,
+                                        int64_t held_min) {
+    if (base >= nthreads || slots <= 0) return 1;
+    int64_t n = (nthreads + base - 1) / base;
+    if (n * base > slots) n = slots / base;
+    if (n > held_min / PKV_SPLIT_MIN) n = held_min / PKV_SPLIT_MIN;
+    return n < 1 ? 1 : n;
+}
+
 /* Calls with fewer multiply-adds than this run on one thread: below it the
  * fork/join of a parallel region costs more than it saves (~10-20 us of
  * work), and on a busy machine a descheduled worker would stall the call. */

@@ -42,10 +42,15 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
 /* Batched decode: one query token per sequence, at its newest held rank.
  *
  * Work items are (sequence, head group, member chunk, key chunk).  A head
- * group is as many KV heads as fit PKV_MAX_ROWS query rows, split further
- * while there are fewer items than threads; if that is still too few (few
- * sequences, few KV heads), each sequence's keys are split into chunks whose
- * partial softmax states (m, l, acc) are merged by log-sum-exp afterwards. */
+ * group is as many KV heads as fit PKV_MAX_ROWS query rows.  With fewer items
+ * than threads (few sequences), each sequence's keys are split into chunks
+ * whose partial softmax states (m, l, acc) are merged by log-sum-exp
+ * afterwards; only where the keys are too few for that are the head groups
+ * split too.  Key chunks first: an item then reads the whole K and V planes
+ * of its blocks (one contiguous run each per block and layer), where a head
+ * split gives each item a part of every plane.  Measured (AMD EPYC Zen 3,
+ * AVX2, 2 threads, B=1, Hq=16 Hkv=4 D=64, a 4-layer pool, inside a model's
+ * decode): attention 15-20% faster than heads first. */
 static void PKV_KFN(decode)(const pkv_attn_args *a) {
     const int gsz = a->hq / a->hkv, d = a->d;
     double work = 0.0; /* multiply-adds */
@@ -57,21 +62,21 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     const int ngc = (gsz + ng_max - 1) / ng_max;
     int hpg = PKV_MAX_ROWS / ng_max;
     if (hpg > a->hkv) hpg = a->hkv;
-    while (hpg > 1 && a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < nthreads) hpg = (hpg + 1) / 2;
-    const int ngroups = (a->hkv + hpg - 1) / hpg;
-    const int64_t base = a->nseq * ngroups * ngc;
-    int64_t nchunk = 1;
-    if (base < nthreads && a->partial_slots > 0) {
-        int64_t held_min = INT64_MAX;
+    int64_t held_min = INT64_MAX;
+    if (a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < nthreads) {
         for (int64_t b = 0; b < a->nseq; b++) {
             const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
             if (h < held_min) held_min = h;
         }
-        nchunk = (nthreads + base - 1) / base;
-        if (nchunk * base > a->partial_slots) nchunk = a->partial_slots / base;
-        if (nchunk > held_min / PKV_SPLIT_MIN) nchunk = held_min / PKV_SPLIT_MIN;
-        if (nchunk < 1) nchunk = 1;
     }
+    int64_t base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
+    int64_t nchunk = pkv_decode_chunks(base, nthreads, a->partial_slots, held_min);
+    while (hpg > 1 && base * nchunk < nthreads) { /* keys too few: smaller head groups too */
+        hpg = (hpg + 1) / 2;
+        base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
+        nchunk = pkv_decode_chunks(base, nthreads, a->partial_slots, held_min);
+    }
+    const int ngroups = (a->hkv + hpg - 1) / hpg;
     const int64_t items = base * nchunk;
     const size_t slot_bytes = pkv_partial_slot_bytes(d, sizeof(PKV_T));
     if (a->plan_out) {

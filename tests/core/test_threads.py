@@ -156,6 +156,34 @@ def test_set_num_threads_gives_the_same_result(threads, dtype):
     np.testing.assert_allclose(outb, exp, rtol=tol, atol=tol * np.abs(v).max())
 
 
+@pytest.mark.skipif(not pagedkv.has_openmp(), reason="a build without OpenMP runs one thread")
+@pytest.mark.parametrize("length, plan", [
+    (2048, (2, 8, 2)),   # keys enough for two chunks: all 8 KV heads in each item, split-K
+    (400, (2, 4, 1)),    # too few keys to split (256 per chunk): the head group splits instead
+])
+def test_decode_plan_splits_keys_before_heads(length, plan):
+    """One sequence on 2 threads: key chunks (every item reads whole K/V planes) unless the
+    keys are too few, then smaller head groups; the result matches the reference either way."""
+    rng = np.random.default_rng(3)
+    cache = pagedkv.PagedKVCache(num_blocks=200, block_size=16, num_kv_heads=8, head_dim=128,
+                                 num_layers=2)
+    sid = cache.add_sequence()
+    for layer in (0, 1):
+        k = rng.standard_normal((length, 8, 128)).astype(np.float32)
+        v = rng.standard_normal((length, 8, 128)).astype(np.float32)
+        cache.append(sid, k, v, layer=layer)
+    q = rng.standard_normal((1, 64, 128)).astype(np.float32)
+    try:
+        pagedkv.set_num_threads(2)
+        out = cache.attend_batch([sid], q, layer=1)
+        got = cache.last_attention_plan
+    finally:
+        pagedkv.set_num_threads(0)
+    assert got == plan
+    exp = ref_attention(q, k, v, 1 / np.sqrt(128), length - 1)
+    np.testing.assert_allclose(out, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
+
+
 def test_set_num_threads_rejects_negative():
     with pytest.raises(ValueError):
         pagedkv.set_num_threads(-1)
