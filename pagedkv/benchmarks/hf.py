@@ -15,10 +15,11 @@ f32 weights:
 
 pagedkv runs with f32 and with bfloat16 storage (``kv_dtype``), DynamicCache in the model's dtype.
 Every (model, context) runs at each of ``--threads``' counts (pagedkv's and torch's threads
-alike; the default ``1,all`` doubles the suite's time).  For each context L the first L-1 prompt tokens are prefilled into a fresh cache of each kind, interleaved
-(``prefill_rounds`` times, median: time to first token without the last token's forward);
-then every round runs ``generate(prompt, max_new_tokens=N)`` greedily on each cache,
-interleaved (the order alternates), and crops the N new positions off again.
+alike; the default ``1,all`` doubles the suite's time).  For each context L the first L-1 prompt
+tokens are prefilled into a fresh cache of each kind, interleaved (``prefill_rounds`` times,
+median: time to first token without the last token's forward); then every round runs
+``generate(prompt, max_new_tokens=N)`` greedily on each cache, interleaved (the order
+alternates), and crops the N new positions off again.
 tokens/s = N / time of that generate call (one forward per token: the last prompt token,
 then N-1 generated ones); ratios are medians of per-round DynamicCache / pagedkv times.  The
 first round's tokens of each cache are compared with DynamicCache's and reported (f32 storage
