@@ -62,19 +62,20 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     const int ngc = (gsz + ng_max - 1) / ng_max;
     int hpg = PKV_MAX_ROWS / ng_max;
     if (hpg > a->hkv) hpg = a->hkv;
-    int64_t held_min = INT64_MAX;
-    if (a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc < nthreads) {
-        for (int64_t b = 0; b < a->nseq; b++) {
-            const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
-            if (h < held_min) held_min = h;
-        }
-    }
-    int64_t base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
-    int64_t nchunk = pkv_decode_chunks(base, nthreads, a->partial_slots, held_min);
-    while (hpg > 1 && base * nchunk < nthreads) { /* keys too few: smaller head groups too */
-        hpg = (hpg + 1) / 2;
+    int64_t held_min = -1; /* the shortest visible keys, read once a split is in question */
+    int64_t base, nchunk;
+    for (;;) {
         base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
+        if (base < nthreads && held_min < 0) {
+            held_min = INT64_MAX;
+            for (int64_t b = 0; b < a->nseq; b++) {
+                const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
+                if (h < held_min) held_min = h;
+            }
+        }
         nchunk = pkv_decode_chunks(base, nthreads, a->partial_slots, held_min);
+        if (hpg == 1 || base * nchunk >= nthreads) break;
+        hpg = (hpg + 1) / 2; /* keys too few to split: smaller head groups too */
     }
     const int ngroups = (a->hkv + hpg - 1) / hpg;
     const int64_t items = base * nchunk;
