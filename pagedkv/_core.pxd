@@ -112,3 +112,7 @@ cdef extern from "pagedkv/peak.h" nogil:
     int pkv_peak_width(int kind, int simd)
     uint64_t pkv_peak_run(int kind, int simd, int64_t iters, int nthreads, double a, double b,
                           double *sum)
+
+cdef extern from "pagedkv/linear.h" nogil:
+    void pkv_linear(int f64, int simd, int nthreads, const void *x, int64_t M, const void *w,
+                    const void *bias, int64_t K, int64_t N, void *y, int64_t ldy)

@@ -14,6 +14,8 @@
     _transfer.pxi   export / import of sequences, adopt, compact, resize
     _diag.pxi       views for the Python layer and tests, the read pattern,
                     read bandwidth and instruction peak
+    _linear.pxi     linear(): y = x W^T + b for a decode step's few rows
+                    (include/pagedkv/linear.h), used by the batcher
     _core.pyx       CacheCore: the facade PagedKVCache holds; each public
                     method takes the lock and calls the functions above
 
@@ -114,7 +116,7 @@ def has_openmp():
 
 
 def set_num_threads(n):
-    """Threads used by the attention kernels (n >= 1; 0 restores the default)."""
+    """Threads used by the attention kernels and linear() (n >= 1; 0 restores the default)."""
     global _nthreads
     n = int(n)
     if n < 0:
@@ -123,7 +125,7 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """Threads the attention kernels use now."""
+    """Threads the attention kernels and linear() use now."""
     return _nthreads if _nthreads > 0 else pkv_max_threads()
 
 
@@ -160,6 +162,7 @@ include "_checks.pxi"
 include "_kernels.pxi"
 include "_transfer.pxi"
 include "_diag.pxi"
+include "_linear.pxi"
 
 
 # ----------------------------------------------------------------------------

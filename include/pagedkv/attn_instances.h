@@ -1,5 +1,6 @@
 /* pagedkv/attn_instances.h -- instantiate the kernels of one (compute type,
- * instruction set) for every storage type they read.  Included by
+ * instruction set) for every storage type they read, and the row-batch
+ * linear kernel of linear_impl.h.  Included by
  * attention.h once per pair, after one vocabulary (vocab_*.h: PKV_T, PKV_VEC,
  * PKV_W, ..., PKV_T_F64 and PKV_TAG, the pair's name suffix, e.g. _f32_avx2)
  * and before attn_vocab_end.h.  No include guard on purpose.
@@ -84,5 +85,8 @@
 #undef PKV_STORE_SCALED
 #undef PKV_CFN
 #undef PKV_LDSC
+
+/* the row-batch linear kernel (compute type only; dispatched by linear.h) */
+#include "linear_impl.h"
 
 #undef PKV_FN

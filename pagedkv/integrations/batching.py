@@ -52,6 +52,7 @@ is in the batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
@@ -65,10 +66,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'pagedkv[hf]'") from e
 
 from pagedkv.cache import PagedKVCache
-# the scheduler's parts: the layer groups, the attention, pools (sizing), the packed step,
-# per-request sampling
+# the scheduler's parts: the layer groups, the attention, the linear layers of small steps,
+# pools (sizing), the packed step, per-request sampling
 from pagedkv.integrations.attention import ATTENTION_NAME, register
 from pagedkv.integrations.layers import group_layers, layer_windows, sliding_policy
+from pagedkv.integrations.linear import RowLinears
 from pagedkv.integrations.pools import (DEFAULT_TOKENS_PER_SEQ, HALF_DTYPES, Group, group_blocks,
                                         model_geometry, num_blocks_for_bytes, single_group)
 from pagedkv.integrations.sampling import Sampling, sample
@@ -161,6 +163,12 @@ class ContinuousBatcher:
             room for ``max_seqs`` sequences of 2048 tokens, at most 1 GiB.  A sliding group
             gets no more blocks than its running requests can hold at once; the rest of the
             budget goes to the other groups.
+        linear_kernel: compute the model's float32 / float64 ``nn.Linear`` layers on steps'
+            small inputs (at most 64 rows: decode steps, and the vocabulary projection of the
+            rows that are sampled) with ``pagedkv.linear`` (``integrations/linear.py``), which
+            reads each weight once for all rows; larger inputs stay with torch.  False: every
+            matrix product is torch's.  Either way greedy tokens are the model's; the logits
+            agree with torch's to float32 rounding.
 
     Raises:
         NotImplementedError: the model has layers pagedkv cannot run, or ``prefix_caching``
@@ -170,7 +178,7 @@ class ContinuousBatcher:
     def __init__(self, model, num_blocks: Optional[int] = None, block_size: int = 16,
                  kv_dtype: Optional[str] = None, prefix_caching: bool = False,
                  max_batch_tokens: int = 512, max_seqs: int = 64,
-                 kv_cache_bytes: Optional[int] = None):
+                 kv_cache_bytes: Optional[int] = None, linear_kernel: bool = True):
 
         for name, val in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs),
                           ("block_size", block_size)):
@@ -209,6 +217,7 @@ class ContinuousBatcher:
                 self._layer_of[i] = (len(self._groups), local)
             self._groups.append(Group(name, w, layers, cache))
         self.model = model
+        self._linears = RowLinears(model) if linear_kernel else contextlib.nullcontext()
         self._prefix_caching = bool(prefix_caching)
         self.vocab_size = int(config.vocab_size)
         self.max_batch_tokens = int(max_batch_tokens)
@@ -402,7 +411,7 @@ class ContinuousBatcher:
             plan_chunks, [[r.sids[g] for r, _ in chunks] for g in range(len(self._groups))],
             len(ids))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._linears:
                 logits = self.model(
                     input_ids=torch.tensor([ids], dtype=torch.long),
                     position_ids=torch.tensor([pos], dtype=torch.long),

@@ -5,7 +5,8 @@
  * documented layout, untouched bytes included), reads back, the sequence
  * check, the vector exp, paged decode and causal prefill with and without
  * RoPE, each with and without a sliding window, logit softcapping and
- * learned sinks (in random combination), over random shapes: block sizes
+ * learned sinks (in random combination), and the row-batch linear kernel
+ * (linear.h: y = x W^T + b), over random shapes: block sizes
  * 1..64, head_dim odd and even, GQA
  * ratios, 1..3 layers, lengths ending mid-block, StreamingLLM segments (a gap
  * of evicted slots), 1 and 2 threads (split-K included).  Unwritten and
@@ -28,6 +29,7 @@
 
 #include "fixture.h"
 #include "pagedkv/attention.h"
+#include "pagedkv/linear.h"
 
 static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon"};
 
@@ -402,6 +404,59 @@ static void check_exp(int simd, int dt) {
     free(y);
 }
 
+/* ---- row-batch linear (linear.h) ------------------------------------------ */
+
+/* y = x W^T (+ b) over random shapes (rows 1..14 across the 3-row tile, K
+ * odd and even across the vector width, N across the 4-row tile and the
+ * thread split), 1 and 2 threads, with and without bias, against a double
+ * reference: |y - ref| <= rtol * sum_k |x_k w_k| (+ |b|) with rtol of the
+ * compute type.  y's rows are ldy > N apart; the columns past N hold NaN
+ * before the call and must keep it. */
+static long check_linear(int simd, int dt, int trials) {
+    const int item = dt ? 8 : 4;
+    const double rtol = rtol_of(dt == 1 ? PKV_F64 : PKV_F32);
+    long cases = 0;
+    for (int trial = 0; trial < trials; trial++) {
+        /* the first trial does enough work (> PKV_PARALLEL_MIN) to run on 2 threads */
+        const int64_t M = trial == 0 ? rnd_int(8, 14) : rnd_int(1, 14);
+        const int64_t K = trial == 0 ? rnd_int(200, 300) : trial % 5 == 0 ? rnd_int(1, 9) : rnd_int(1, 300);
+        const int64_t N = trial == 0 ? 2051 : rnd_int(1, 70), ldy = N + rnd_int(1, 5);
+        const int bias = trial % 2, threads = 1 + trial % 3 % 2;
+        void *x = xalloc((size_t)M * K * item), *w = xalloc((size_t)N * K * item);
+        void *b = xalloc((size_t)N * item), *y = xalloc((size_t)M * ldy * item);
+        for (int64_t i = 0; i < M * K; i++) put(x, i, dt, rnd_normal());
+        for (int64_t i = 0; i < N * K; i++) put(w, i, dt, rnd_normal());
+        for (int64_t i = 0; i < N; i++) put(b, i, dt, rnd_normal());
+        for (int64_t i = 0; i < M * ldy; i++) put(y, i, dt, NAN);
+        pkv_linear(dt, simd, trial == 0 ? 2 : threads, x, M, w, bias ? b : NULL, K, N, y, ldy);
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t n = 0; n < ldy; n++) {
+                const double got = get(y, m * ldy + n, dt);
+                if (n >= N) {
+                    CHECK(isnan(got), "linear %s %s: y[%ld][%ld] past N=%ld written",
+                          simd_names[simd], dt ? "f64" : "f32", (long)m, (long)n, (long)N);
+                    continue;
+                }
+                double ref = bias ? get(b, n, dt) : 0.0, mag = fabs(ref);
+                for (int64_t k = 0; k < K; k++) {
+                    const double p = get(x, m * K + k, dt) * get(w, n * K + k, dt);
+                    ref += p;
+                    mag += fabs(p);
+                }
+                CHECK(fabs(got - ref) <= rtol * mag, "linear %s %s M=%ld K=%ld N=%ld: y[%ld][%ld] "
+                      "= %.17g, want %.17g", simd_names[simd], dt ? "f64" : "f32", (long)M,
+                      (long)K, (long)N, (long)m, (long)n, got, ref);
+            }
+        }
+        cases++;
+        free(x);
+        free(w);
+        free(b);
+        free(y);
+    }
+    return cases;
+}
+
 int main(int argc, char **argv) {
     int trials = 60;
     uint64_t seed = 20261123;
@@ -435,6 +490,11 @@ int main(int argc, char **argv) {
     for (int dt = 0; dt < 2; dt++)
         for (int simd = 0; simd < PKV_NUM_SIMD; simd++)
             if (pkv_simd_supported(simd) && exp_fn(simd, dt)) check_exp(simd, dt);
+    for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
+        if (!pkv_simd_supported(simd) || !pkv_kernels_for(PKV_F32, PKV_F32, simd)) continue;
+        const long n = check_linear(simd, 0, trials) + check_linear(simd, 1, trials);
+        printf("  %-6s %5ld linear cases (f32, f64)\n", simd_names[simd], n);
+    }
     for (int pair = 0; pair < NPAIRS; pair++) {
         const int st = pairs[pair][0], dt = pairs[pair][1];
         const int n = st == dt ? trials : (trials + 2) / 3;

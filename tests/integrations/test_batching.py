@@ -386,3 +386,68 @@ def test_paged_cache_budget_is_split_across_layer_groups():
     assert len({blocks for _, blocks, _ in sizes.values()}) == 1   # same count per group
     with pytest.raises(TypeError):
         paged_cache(ours, num_blocks=8, kv_cache_bytes=1 << 20)
+
+
+def test_torch_linears_give_the_same_tokens(models):
+    """linear_kernel=False (every matrix product torch's): the same greedy tokens."""
+    ours, ref = models
+    prompts = prompt_lists(21, [4, 19, 33, 2])
+    b = ContinuousBatcher(ours, num_blocks=64, block_size=BS, max_batch_tokens=16,
+                          linear_kernel=False)
+    rids = [b.add_request(p, 7) for p in prompts]
+    out = b.run()
+    assert [out[r] for r in rids] == [_reference(ref, p, 7) for p in prompts]
+    assert not any("forward" in vars(m) for m in ours.modules())
+    _all_blocks_back(b)
+
+
+def test_row_linears_route_small_inputs_and_restore(models, monkeypatch):
+    """RowLinears: inputs of at most max_rows rows go to pagedkv.linear (within float32
+    rounding of torch), larger ones and calls recording autograd to torch unchanged; every
+    module is restored on exit, also when the body raises."""
+    import pagedkv
+    from pagedkv.integrations.linear import RowLinears
+
+    ours, _ = models
+    lins = [m for m in ours.modules() if type(m) is torch.nn.Linear]
+    calls = []
+    real = pagedkv.linear
+    monkeypatch.setattr(pagedkv, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r = RowLinears(ours, max_rows=6)
+    assert r.modules == lins
+    lin = lins[0]
+    g = torch.Generator().manual_seed(5)
+    small = torch.randn(2, 3, lin.in_features, generator=g)     # 6 rows: the kernel
+    big = torch.randn(7, lin.in_features, generator=g)          # 7 rows: torch
+    with torch.no_grad():
+        want_small, want_big = lin(small), lin(big)
+        with r:
+            got_small, got_big = lin(small), lin(big)
+    assert len(calls) == 1
+    assert got_small.shape == want_small.shape
+    torch.testing.assert_close(got_small, want_small, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_big, want_big)
+    with r:  # autograd on: torch, so gradients flow
+        got = lin(small)
+    assert len(calls) == 1 and got.requires_grad
+    assert not any("forward" in vars(m) for m in lins)
+    with pytest.raises(RuntimeError, match="inside"):
+        with r:
+            raise RuntimeError("inside")
+    assert not any("forward" in vars(m) for m in lins)
+
+
+def test_row_linears_leave_other_modules_alone():
+    """Only plain float32 / float64 nn.Linear modules are routed: a bfloat16 model's
+    linears, subclasses and modules whose forward is already replaced keep theirs."""
+    from pagedkv.integrations.linear import RowLinears
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    hooked = torch.nn.Linear(4, 4)
+    hooked.forward = lambda x: x
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), Sub(4, 4), hooked,
+                              torch.nn.Linear(4, 4).to(torch.bfloat16))
+    r = RowLinears(net)
+    assert r.modules == [net[0]]

@@ -1,0 +1,82 @@
+/* pagedkv/linear_impl.h -- the row-batch linear kernel over one (compute
+ * type, instruction set) vocabulary: y = x W^T (+ bias) for a few rows of x.
+ *
+ * A model's decode step multiplies a handful of rows (one per running
+ * request) by every weight matrix: y[m][n] = sum_k x[m][k] * W[n][k], W
+ * stored as torch's nn.Linear keeps it, [N][K] row-major.  The kernel reads
+ * W once, a tile of PKV_LIN_NR rows at a time, and folds each tile into
+ * PKV_LIN_MR rows of x at a time with vertical FMAs over k: MR x NR vector
+ * accumulators, one horizontal sum per output at the end of the row pair.
+ * The W tile (NR x K values) stays in L1/L2 while every row tile of x passes
+ * over it, so W streams from memory once per call whatever M is.
+ *
+ * Edges: a tile that runs past the last row of x or of W points its missing
+ * rows at the tile's first row and does not store them; the last K % PKV_W
+ * values are summed in the compute type after the vector part.
+ *
+ * Instantiated by attn_instances.h after a vocabulary (PKV_T, PKV_VEC,
+ * PKV_W, PKV_VLOAD, PKV_VFMA, PKV_VZERO, PKV_VREDUCE) with PKV_FN defined;
+ * dispatched and threaded by linear.h.  No include guard on purpose.
+ */
+#define PKV_LIN_MR 3
+#define PKV_LIN_NR 4
+
+/* Rows [n0, n1) of the output columns, every row m of x: y[m * ldy + n].
+ * x [M][K], w [N][K] (only rows n0..n1-1 read), bias [N] or NULL.
+ * Arguments are trusted (linear.h's caller checked them). */
+static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T *restrict w,
+                                const PKV_T *restrict bias, int64_t K, int64_t n0, int64_t n1,
+                                PKV_T *restrict y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n += PKV_LIN_NR) {
+        const int nn = n1 - n < PKV_LIN_NR ? (int)(n1 - n) : PKV_LIN_NR;
+        const PKV_T *w0 = w + n * K;
+        const PKV_T *w1 = nn > 1 ? w0 + K : w0, *w2 = nn > 2 ? w0 + 2 * K : w0,
+                    *w3 = nn > 3 ? w0 + 3 * K : w0;
+        for (int64_t m = 0; m < M; m += PKV_LIN_MR) {
+            const int mm = M - m < PKV_LIN_MR ? (int)(M - m) : PKV_LIN_MR;
+            const PKV_T *x0 = x + m * K;
+            const PKV_T *x1 = mm > 1 ? x0 + K : x0, *x2 = mm > 2 ? x0 + 2 * K : x0;
+            PKV_VEC a00 = PKV_VZERO(), a01 = a00, a02 = a00, a03 = a00;
+            PKV_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+            PKV_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+            int64_t k = 0;
+            for (; k + PKV_W <= K; k += PKV_W) {
+                const PKV_VEC u0 = PKV_VLOAD(x0 + k), u1 = PKV_VLOAD(x1 + k),
+                              u2 = PKV_VLOAD(x2 + k);
+                PKV_VEC v = PKV_VLOAD(w0 + k);
+                a00 = PKV_VFMA(u0, v, a00);
+                a10 = PKV_VFMA(u1, v, a10);
+                a20 = PKV_VFMA(u2, v, a20);
+                v = PKV_VLOAD(w1 + k);
+                a01 = PKV_VFMA(u0, v, a01);
+                a11 = PKV_VFMA(u1, v, a11);
+                a21 = PKV_VFMA(u2, v, a21);
+                v = PKV_VLOAD(w2 + k);
+                a02 = PKV_VFMA(u0, v, a02);
+                a12 = PKV_VFMA(u1, v, a12);
+                a22 = PKV_VFMA(u2, v, a22);
+                v = PKV_VLOAD(w3 + k);
+                a03 = PKV_VFMA(u0, v, a03);
+                a13 = PKV_VFMA(u1, v, a13);
+                a23 = PKV_VFMA(u2, v, a23);
+            }
+            PKV_T s[PKV_LIN_MR][PKV_LIN_NR] = {
+                {PKV_VREDUCE(a00), PKV_VREDUCE(a01), PKV_VREDUCE(a02), PKV_VREDUCE(a03)},
+                {PKV_VREDUCE(a10), PKV_VREDUCE(a11), PKV_VREDUCE(a12), PKV_VREDUCE(a13)},
+                {PKV_VREDUCE(a20), PKV_VREDUCE(a21), PKV_VREDUCE(a22), PKV_VREDUCE(a23)}};
+            const PKV_T *xr[PKV_LIN_MR] = {x0, x1, x2};
+            const PKV_T *wr[PKV_LIN_NR] = {w0, w1, w2, w3};
+            for (int i = 0; i < mm; i++) {
+                PKV_T *out = y + (m + i) * ldy + n;
+                for (int j = 0; j < nn; j++) {
+                    PKV_T t = s[i][j];
+                    for (int64_t kk = k; kk < K; kk++) t += xr[i][kk] * wr[j][kk];
+                    out[j] = bias ? t + bias[n + j] : t;
+                }
+            }
+        }
+    }
+}
+
+#undef PKV_LIN_MR
+#undef PKV_LIN_NR
