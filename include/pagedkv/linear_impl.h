@@ -8,7 +8,11 @@
  * PKV_LIN_MR rows of x at a time with vertical FMAs over k: MR x NR vector
  * accumulators, one horizontal sum per output at the end of the row pair.
  * The W tile (NR x K values) stays in L1/L2 while every row tile of x passes
- * over it, so W streams from memory once per call whatever M is.
+ * over it, so W streams from memory once per call whatever M is.  While the
+ * first row tile passes over a W tile, the next W tile is prefetched at the
+ * same offsets (the 4 rows are 4 streams that the hardware prefetchers
+ * follow too late: on this AMD EPYC, 1 thread, a 32000 x 512 weight and 24
+ * rows, 14.0 ms without, 12.0 ms with).
  *
  * Edges: a tile that runs past the last row of x or of W points its missing
  * rows at the tile's first row and does not store them; the last K % PKV_W
@@ -32,6 +36,9 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
         const PKV_T *w0 = w + n * K;
         const PKV_T *w1 = nn > 1 ? w0 + K : w0, *w2 = nn > 2 ? w0 + 2 * K : w0,
                     *w3 = nn > 3 ? w0 + 3 * K : w0;
+        /* the next W tile (when whole), prefetched during the first row tile */
+        const PKV_T *pf = n + PKV_LIN_NR < n1 ? w0 + PKV_LIN_NR * K : NULL;
+        const int64_t pf_rows = pf ? (n1 - n - PKV_LIN_NR < PKV_LIN_NR ? n1 - n - PKV_LIN_NR : PKV_LIN_NR) : 0;
         for (int64_t m = 0; m < M; m += PKV_LIN_MR) {
             const int mm = M - m < PKV_LIN_MR ? (int)(M - m) : PKV_LIN_MR;
             const PKV_T *x0 = x + m * K;
@@ -40,7 +47,14 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
             PKV_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00;
             PKV_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00;
             int64_t k = 0;
+            const int prefetch = m == 0 && pf_rows == PKV_LIN_NR;
             for (; k + PKV_W <= K; k += PKV_W) {
+                if (prefetch) {
+                    __builtin_prefetch(pf + k, 0, 3);
+                    __builtin_prefetch(pf + K + k, 0, 3);
+                    __builtin_prefetch(pf + 2 * K + k, 0, 3);
+                    __builtin_prefetch(pf + 3 * K + k, 0, 3);
+                }
                 const PKV_VEC u0 = PKV_VLOAD(x0 + k), u1 = PKV_VLOAD(x1 + k),
                               u2 = PKV_VLOAD(x2 + k);
                 PKV_VEC v = PKV_VLOAD(w0 + k);
