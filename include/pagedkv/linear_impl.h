@@ -6,7 +6,7 @@
  * stored as torch's nn.Linear keeps it, [N][K] row-major.  The kernel reads
  * W once, a tile of PKV_LIN_NR rows at a time, and folds each tile into
  * PKV_LIN_MR rows of x at a time with vertical FMAs over k: MR x NR vector
- * accumulators, one horizontal sum per output at the end of the row pair.
+ * accumulators, one horizontal sum per output at the end of the tile.
  * The W tile (NR x K values) stays in L1/L2 while every row tile of x passes
  * over it, so W streams from memory once per call whatever M is.  While the
  * first row tile passes over a W tile, the next W tile is prefetched at the
@@ -14,12 +14,16 @@
  * follow too late: on this AMD EPYC, 1 thread, a 32000 x 512 weight and 24
  * rows, 14.0 ms without, 12.0 ms with).
  *
+ * A single row (M = 1, or the last row of M = 3j + 1) has a loop of its own:
+ * each W value is used once there, and two k phases of the 4 W rows make 8
+ * independent chains.
+ *
  * Edges: a tile that runs past the last row of x or of W points its missing
  * rows at the tile's first row and does not store them; the last K % PKV_W
  * values are summed in the compute type after the vector part.
  *
  * Instantiated by attn_instances.h after a vocabulary (PKV_T, PKV_VEC,
- * PKV_W, PKV_VLOAD, PKV_VFMA, PKV_VZERO, PKV_VREDUCE) with PKV_FN defined;
+ * PKV_W, PKV_VLOAD, PKV_VADD, PKV_VFMA, PKV_VZERO, PKV_VREDUCE) with PKV_FN defined;
  * dispatched and threaded by linear.h.  No include guard on purpose.
  */
 #define PKV_LIN_MR 3
@@ -43,41 +47,78 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
             const int mm = M - m < PKV_LIN_MR ? (int)(M - m) : PKV_LIN_MR;
             const PKV_T *x0 = x + m * K;
             const PKV_T *x1 = mm > 1 ? x0 + K : x0, *x2 = mm > 2 ? x0 + 2 * K : x0;
-            PKV_VEC a00 = PKV_VZERO(), a01 = a00, a02 = a00, a03 = a00;
-            PKV_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            PKV_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+            PKV_T s[PKV_LIN_MR][PKV_LIN_NR];
             int64_t k = 0;
             const int prefetch = m == 0 && pf_rows == PKV_LIN_NR;
-            for (; k + PKV_W <= K; k += PKV_W) {
-                if (prefetch) {
-                    __builtin_prefetch(pf + k, 0, 3);
-                    __builtin_prefetch(pf + K + k, 0, 3);
-                    __builtin_prefetch(pf + 2 * K + k, 0, 3);
-                    __builtin_prefetch(pf + 3 * K + k, 0, 3);
+#define PKV_LIN_PREFETCH(k)                               \
+    if (prefetch) {                                       \
+        __builtin_prefetch(pf + (k), 0, 3);               \
+        __builtin_prefetch(pf + K + (k), 0, 3);           \
+        __builtin_prefetch(pf + 2 * K + (k), 0, 3);       \
+        __builtin_prefetch(pf + 3 * K + (k), 0, 3);       \
+    }
+            if (mm == 1) {
+                /* one row (M = 1, or the last of M = 3j + 1): every W value is used once, so
+                 * two k phases give 8 independent chains instead of 3 copies of one row */
+                PKV_VEC b00 = PKV_VZERO(), b01 = b00, b10 = b00, b11 = b00;
+                PKV_VEC b20 = b00, b21 = b00, b30 = b00, b31 = b00;
+                for (; k + 2 * PKV_W <= K; k += 2 * PKV_W) {
+                    PKV_LIN_PREFETCH(k)
+                    PKV_LIN_PREFETCH(k + PKV_W)
+                    const PKV_VEC u = PKV_VLOAD(x0 + k), u2 = PKV_VLOAD(x0 + k + PKV_W);
+                    b00 = PKV_VFMA(u, PKV_VLOAD(w0 + k), b00);
+                    b01 = PKV_VFMA(u2, PKV_VLOAD(w0 + k + PKV_W), b01);
+                    b10 = PKV_VFMA(u, PKV_VLOAD(w1 + k), b10);
+                    b11 = PKV_VFMA(u2, PKV_VLOAD(w1 + k + PKV_W), b11);
+                    b20 = PKV_VFMA(u, PKV_VLOAD(w2 + k), b20);
+                    b21 = PKV_VFMA(u2, PKV_VLOAD(w2 + k + PKV_W), b21);
+                    b30 = PKV_VFMA(u, PKV_VLOAD(w3 + k), b30);
+                    b31 = PKV_VFMA(u2, PKV_VLOAD(w3 + k + PKV_W), b31);
                 }
-                const PKV_VEC u0 = PKV_VLOAD(x0 + k), u1 = PKV_VLOAD(x1 + k),
-                              u2 = PKV_VLOAD(x2 + k);
-                PKV_VEC v = PKV_VLOAD(w0 + k);
-                a00 = PKV_VFMA(u0, v, a00);
-                a10 = PKV_VFMA(u1, v, a10);
-                a20 = PKV_VFMA(u2, v, a20);
-                v = PKV_VLOAD(w1 + k);
-                a01 = PKV_VFMA(u0, v, a01);
-                a11 = PKV_VFMA(u1, v, a11);
-                a21 = PKV_VFMA(u2, v, a21);
-                v = PKV_VLOAD(w2 + k);
-                a02 = PKV_VFMA(u0, v, a02);
-                a12 = PKV_VFMA(u1, v, a12);
-                a22 = PKV_VFMA(u2, v, a22);
-                v = PKV_VLOAD(w3 + k);
-                a03 = PKV_VFMA(u0, v, a03);
-                a13 = PKV_VFMA(u1, v, a13);
-                a23 = PKV_VFMA(u2, v, a23);
+                for (; k + PKV_W <= K; k += PKV_W) {
+                    const PKV_VEC u = PKV_VLOAD(x0 + k);
+                    b00 = PKV_VFMA(u, PKV_VLOAD(w0 + k), b00);
+                    b10 = PKV_VFMA(u, PKV_VLOAD(w1 + k), b10);
+                    b20 = PKV_VFMA(u, PKV_VLOAD(w2 + k), b20);
+                    b30 = PKV_VFMA(u, PKV_VLOAD(w3 + k), b30);
+                }
+                s[0][0] = PKV_VREDUCE(PKV_VADD(b00, b01));
+                s[0][1] = PKV_VREDUCE(PKV_VADD(b10, b11));
+                s[0][2] = PKV_VREDUCE(PKV_VADD(b20, b21));
+                s[0][3] = PKV_VREDUCE(PKV_VADD(b30, b31));
+            } else {
+                PKV_VEC a00 = PKV_VZERO(), a01 = a00, a02 = a00, a03 = a00;
+                PKV_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+                PKV_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+                for (; k + PKV_W <= K; k += PKV_W) {
+                    PKV_LIN_PREFETCH(k)
+                    const PKV_VEC u0 = PKV_VLOAD(x0 + k), u1 = PKV_VLOAD(x1 + k),
+                                  u2 = PKV_VLOAD(x2 + k);
+                    PKV_VEC v = PKV_VLOAD(w0 + k);
+                    a00 = PKV_VFMA(u0, v, a00);
+                    a10 = PKV_VFMA(u1, v, a10);
+                    a20 = PKV_VFMA(u2, v, a20);
+                    v = PKV_VLOAD(w1 + k);
+                    a01 = PKV_VFMA(u0, v, a01);
+                    a11 = PKV_VFMA(u1, v, a11);
+                    a21 = PKV_VFMA(u2, v, a21);
+                    v = PKV_VLOAD(w2 + k);
+                    a02 = PKV_VFMA(u0, v, a02);
+                    a12 = PKV_VFMA(u1, v, a12);
+                    a22 = PKV_VFMA(u2, v, a22);
+                    v = PKV_VLOAD(w3 + k);
+                    a03 = PKV_VFMA(u0, v, a03);
+                    a13 = PKV_VFMA(u1, v, a13);
+                    a23 = PKV_VFMA(u2, v, a23);
+                }
+                s[0][0] = PKV_VREDUCE(a00), s[0][1] = PKV_VREDUCE(a01);
+                s[0][2] = PKV_VREDUCE(a02), s[0][3] = PKV_VREDUCE(a03);
+                s[1][0] = PKV_VREDUCE(a10), s[1][1] = PKV_VREDUCE(a11);
+                s[1][2] = PKV_VREDUCE(a12), s[1][3] = PKV_VREDUCE(a13);
+                s[2][0] = PKV_VREDUCE(a20), s[2][1] = PKV_VREDUCE(a21);
+                s[2][2] = PKV_VREDUCE(a22), s[2][3] = PKV_VREDUCE(a23);
             }
-            PKV_T s[PKV_LIN_MR][PKV_LIN_NR] = {
-                {PKV_VREDUCE(a00), PKV_VREDUCE(a01), PKV_VREDUCE(a02), PKV_VREDUCE(a03)},
-                {PKV_VREDUCE(a10), PKV_VREDUCE(a11), PKV_VREDUCE(a12), PKV_VREDUCE(a13)},
-                {PKV_VREDUCE(a20), PKV_VREDUCE(a21), PKV_VREDUCE(a22), PKV_VREDUCE(a23)}};
+#undef PKV_LIN_PREFETCH
             const PKV_T *xr[PKV_LIN_MR] = {x0, x1, x2};
             const PKV_T *wr[PKV_LIN_NR] = {w0, w1, w2, w3};
             for (int i = 0; i < mm; i++) {

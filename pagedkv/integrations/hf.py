@@ -7,7 +7,9 @@
 
 Many requests at once: ``ContinuousBatcher`` (continuous batching on the same layer groups;
 it lives in ``pagedkv/integrations/batching.py`` and is re-exported here).  The layer groups
-are ``layers.py``'s, the "pagedkv" attention function ``attention.py``'s (both re-exported).
+are ``layers.py``'s, the "pagedkv" attention function ``attention.py``'s (both re-exported);
+``RowLinears`` (``linear.py``, re-exported) puts a model's small-batch linear layers on
+``pagedkv.linear``, as the batcher does.
 
 Needs the ``hf`` extra (``pip install 'pagedkv[hf]'``: transformers 5.x and torch); ``import
 pagedkv`` never imports either.  Inference only (no autograd through the attention).
@@ -82,14 +84,15 @@ from pagedkv.integrations.attention import (ATTENTION_NAME, LINK, pagedkv_attent
 from pagedkv.integrations.batching import ContinuousBatcher
 from pagedkv.integrations.layers import (FULL, group_layers, layer_groups, layer_windows,
                                          sliding_policy)
+from pagedkv.integrations.linear import RowLinears
 from pagedkv.integrations.pools import (TORCH_DTYPES, blocks_per_group, model_geometry,
                                         resolve_num_blocks, single_group)
 from pagedkv.integrations.step import numpy_view
 from pagedkv.rope import RoPE
 from pagedkv.streaming import StreamingLLM
 
-__all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "layer_groups",
-           "layer_windows", "paged_cache", "register"]
+__all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "RowLinears",
+           "layer_groups", "layer_windows", "paged_cache", "register"]
 
 
 
