@@ -41,21 +41,28 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
         const PKV_T *w1 = nn > 1 ? w0 + K : w0, *w2 = nn > 2 ? w0 + 2 * K : w0,
                     *w3 = nn > 3 ? w0 + 3 * K : w0;
         /* the next W tile (when whole), prefetched during the first row tile */
-        const PKV_T *pf = n + PKV_LIN_NR < n1 ? w0 + PKV_LIN_NR * K : NULL;
-        const int64_t pf_rows = pf ? (n1 - n - PKV_LIN_NR < PKV_LIN_NR ? n1 - n - PKV_LIN_NR : PKV_LIN_NR) : 0;
+        const PKV_T *pf = n + 2 * PKV_LIN_NR <= n1 ? w0 + PKV_LIN_NR * K : NULL;
         for (int64_t m = 0; m < M; m += PKV_LIN_MR) {
             const int mm = M - m < PKV_LIN_MR ? (int)(M - m) : PKV_LIN_MR;
             const PKV_T *x0 = x + m * K;
             const PKV_T *x1 = mm > 1 ? x0 + K : x0, *x2 = mm > 2 ? x0 + 2 * K : x0;
             PKV_T s[PKV_LIN_MR][PKV_LIN_NR];
             int64_t k = 0;
-            const int prefetch = m == 0 && pf_rows == PKV_LIN_NR;
+            const int prefetch = m == 0 && pf != NULL;
 #define PKV_LIN_PREFETCH(k)                               \
     if (prefetch) {                                       \
         __builtin_prefetch(pf + (k), 0, 3);               \
         __builtin_prefetch(pf + K + (k), 0, 3);           \
         __builtin_prefetch(pf + 2 * K + (k), 0, 3);       \
         __builtin_prefetch(pf + 3 * K + (k), 0, 3);       \
+    }
+/* W row j of the tile at k into the accumulators a0j, a1j, a2j of the 3 rows of x */
+#define PKV_LIN_COLUMN(j)                                 \
+    {                                                     \
+        const PKV_VEC v = PKV_VLOAD(w##j + k);            \
+        a0##j = PKV_VFMA(u0, v, a0##j);                   \
+        a1##j = PKV_VFMA(u1, v, a1##j);                   \
+        a2##j = PKV_VFMA(u2, v, a2##j);                   \
     }
             if (mm == 1) {
                 /* one row (M = 1, or the last of M = 3j + 1): every W value is used once, so
@@ -94,22 +101,10 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
                     PKV_LIN_PREFETCH(k)
                     const PKV_VEC u0 = PKV_VLOAD(x0 + k), u1 = PKV_VLOAD(x1 + k),
                                   u2 = PKV_VLOAD(x2 + k);
-                    PKV_VEC v = PKV_VLOAD(w0 + k);
-                    a00 = PKV_VFMA(u0, v, a00);
-                    a10 = PKV_VFMA(u1, v, a10);
-                    a20 = PKV_VFMA(u2, v, a20);
-                    v = PKV_VLOAD(w1 + k);
-                    a01 = PKV_VFMA(u0, v, a01);
-                    a11 = PKV_VFMA(u1, v, a11);
-                    a21 = PKV_VFMA(u2, v, a21);
-                    v = PKV_VLOAD(w2 + k);
-                    a02 = PKV_VFMA(u0, v, a02);
-                    a12 = PKV_VFMA(u1, v, a12);
-                    a22 = PKV_VFMA(u2, v, a22);
-                    v = PKV_VLOAD(w3 + k);
-                    a03 = PKV_VFMA(u0, v, a03);
-                    a13 = PKV_VFMA(u1, v, a13);
-                    a23 = PKV_VFMA(u2, v, a23);
+                    PKV_LIN_COLUMN(0)
+                    PKV_LIN_COLUMN(1)
+                    PKV_LIN_COLUMN(2)
+                    PKV_LIN_COLUMN(3)
                 }
                 s[0][0] = PKV_VREDUCE(a00), s[0][1] = PKV_VREDUCE(a01);
                 s[0][2] = PKV_VREDUCE(a02), s[0][3] = PKV_VREDUCE(a03);
@@ -119,6 +114,7 @@ static void PKV_FN(linear_rows)(const PKV_T *restrict x, int64_t M, const PKV_T 
                 s[2][2] = PKV_VREDUCE(a22), s[2][3] = PKV_VREDUCE(a23);
             }
 #undef PKV_LIN_PREFETCH
+#undef PKV_LIN_COLUMN
             const PKV_T *xr[PKV_LIN_MR] = {x0, x1, x2};
             const PKV_T *wr[PKV_LIN_NR] = {w0, w1, w2, w3};
             for (int i = 0; i < mm; i++) {

@@ -16,7 +16,7 @@ summation order), not bit for bit.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List
 
 import pagedkv
 
@@ -39,7 +39,6 @@ class RowLinears:
             and m.weight.device.type == "cpu" and m.weight.is_contiguous()
             and m.weight.dtype in (torch.float32, torch.float64)
             and (m.bias is None or m.bias.dtype == m.weight.dtype)]
-        self._saved: List[Tuple[object, object]] = []
 
     def __enter__(self) -> "RowLinears":
         for m in self.modules:
