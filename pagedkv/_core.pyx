@@ -32,6 +32,7 @@ from libc.math cimport isfinite, sqrt
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.pythread cimport (WAIT_LOCK, PyThread_acquire_lock,
                                PyThread_allocate_lock, PyThread_free_lock,
                                PyThread_get_thread_ident, PyThread_release_lock,
@@ -636,6 +637,14 @@ cdef class CacheCore:
         """(address, bytes) of the pool's arena (for tests: its alignment and huge-page
         advice, include/pagedkv/alloc.h)."""
         return (<uintptr_t>self.pool.arena, self.pool.geom.block_bytes * <size_t>self.pool.num_blocks)
+
+    def debug_snapshot(self):
+        """The whole cache's state in one read (for tests; _diag.pxi says what it holds)."""
+        _call_enter(&self.lock)
+        try:
+            return _debug_snapshot(self)
+        finally:
+            _call_exit(&self.lock)
 
     def debug_state(self, sid):
         """Internal view of a sequence (for tests): segments, offsets, table."""

@@ -49,6 +49,60 @@ cdef object _debug_state(CacheCore core, object sid):
                 off1=s.off1, table=_table_copy(s).tolist())
 
 
+cdef object _debug_snapshot(CacheCore core):
+    """Everything a failed call must leave as it was, read in one pass (for the fuzz
+    programs and state machines, which compare it before and after every call):
+    (seqs, pool, inner) with
+      seqs:  per live sequence, lowest slot first: (sid, held tokens, kept positions as
+             int64 bytes, priority, the held K then V of layer 0, 1, ... as gather returns
+             them, all in one bytes object);
+      pool:  (num_blocks, free blocks, [(generation, cached, references)] per block,
+             cached free blocks);
+      inner: (the free queue in hand-out order, per live sequence (sid, block table as
+             int32 bytes, written_tokens, (a0, a1, b0, b1, off0, off1))): what the
+             invariant checks read beyond the snapshot."""
+    cdef int64_t i, n0, held, pos
+    cdef int l
+    cdef Seq *s
+    cdef pkv_segs g
+    cdef BlockPool pool = core.pool
+    cdef size_t tok = core.num_kv_heads * core.head_dim * core.itemsize, plane
+    cdef char *p
+    seqs, tables = [], []
+    for i in range(core.seqs.max_seqs):
+        s = &core.seqs.seqs[i]
+        if s.sid < 0:
+            continue
+        g = s.segs
+        held = pkv_held(&g)
+        n0 = g.a1 - g.a0
+        kept = PyBytes_FromStringAndSize(NULL, 8 * held)
+        p = PyBytes_AS_STRING(kept)
+        for pos in range(g.a0, g.a1):
+            (<int64_t *>p)[pos - g.a0] = pos + s.off0
+        for pos in range(g.b0, g.b1):
+            (<int64_t *>p)[n0 + pos - g.b0] = pos + s.off1
+        plane = held * tok
+        kv = PyBytes_FromStringAndSize(NULL, 2 * plane * core.num_layers)
+        p = PyBytes_AS_STRING(kv)
+        for l in range(core.num_layers):
+            pkv_read_tokens(&pool.geom, pool.arena, s.table, l, g.a0, g.a1, p, p + plane,
+                            core.io)
+            pkv_read_tokens(&pool.geom, pool.arena, s.table, l, g.b0, g.b1, p + n0 * tok,
+                            p + plane + n0 * tok, core.io)
+            p += 2 * plane
+        seqs.append((s.sid, held, kept, s.priority, kv))
+        w = s.written[0]
+        for l in range(1, core.num_layers):
+            w = min(w, s.written[l])
+        tables.append((s.sid, PyBytes_FromStringAndSize(<char *>s.table, 4 * s.nblk), w,
+                       (g.a0, g.a1, g.b0, g.b1, s.off0, s.off1)))
+    blocks = [(pool.gen[i], bool(pool.cached[i]), pool.refcount[i])
+              for i in range(pool.num_blocks)]
+    return (seqs, (pool.num_blocks, pool.num_free, blocks, pool.num_cached_free),
+            (pool.free_blocks(), tables))
+
+
 cdef object _written_tokens(CacheCore core, object sid):
     cdef Seq *s = core.seqs.lookup(sid)
     cdef int64_t w = s.written[0]

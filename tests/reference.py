@@ -15,9 +15,10 @@ Everything here is written against the public API (the README and the docstrings
 
 import math
 import threading
-from collections import Counter
 
 import numpy as np
+
+from pagedkv.prefix import _same_prefix
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
 
@@ -378,37 +379,44 @@ def check_pool_invariants(cache):
         check_accounting(cache, seqs, counts, core.pool.free_blocks(), core.num_free_blocks)
 
 
-def check_accounting(cache, seqs, counts, free_queue, num_free):
+def check_accounting(cache, seqs, counts, free_queue, num_free, with_stats=True):
     """check_pool_invariants on what was read of the cache (call with its lock held, or with
     nothing changed since the reads): seqs [(sid, block table as a list, seq_len)] of every live
     sequence, counts every block's reference count, free_queue pool.free_blocks(), num_free
-    num_free_blocks."""
+    num_free_blocks.  with_stats=False leaves out the checks of stats() (the fuzz programs,
+    which check it once a program: stats() holds no state of its own)."""
     core = cache._core
-    refs = Counter()
-    tokens = 0
     num_blocks, bs = core.num_blocks, core.block_size
+    refs = [0] * num_blocks
+    tokens = 0
     assert len(counts) == num_blocks, (len(counts), num_blocks)
     for sid, table, n in seqs:
         assert len(table) == core.num_seq_blocks(sid)
         assert len(set(table)) == len(table), f"sequence {sid} names a block twice: {table}"
-        refs.update(table)
+        for b in table:
+            assert 0 <= b < num_blocks, f"sequence {sid} names block {b} of {num_blocks}"
+            refs[b] += 1
         tokens += n
         assert n <= len(table) * bs
-    assert all(0 <= b < num_blocks for b in refs)
-    for b, c in enumerate(counts):
-        assert c == refs.get(b, 0), f"block {b}: ref count {c}, referenced {refs.get(b, 0)} times"
-    free = [b for b, c in enumerate(counts) if c == 0]
+    if refs != list(counts):
+        b = next(b for b in range(num_blocks) if refs[b] != counts[b])
+        raise AssertionError(f"block {b}: ref count {counts[b]}, referenced {refs[b]} times")
+    free = [b for b in range(num_blocks) if not refs[b]]
     assert num_free == len(free), (num_free, len(free))
     assert sorted(free_queue) == free  # the queue: each free block once
-    stats = cache.stats()
-    assert stats.blocks_free + stats.blocks_used == stats.blocks_total == num_blocks
-    assert stats.tokens_held == tokens
+    if with_stats:
+        stats = cache.stats()
+        assert stats.blocks_free + stats.blocks_used == stats.blocks_total == num_blocks
+        assert stats.tokens_held == tokens
+        cached_free = stats.cached_free_blocks
+    else:
+        cached_free = core.pool.num_cached_free
     prefix = getattr(cache, "_prefix", None)
     if prefix is not None:
-        check_prefix_index(cache, prefix, counts, stats)
+        check_prefix_index(cache, prefix, counts, cached_free)
 
 
-def check_prefix_index(cache, prefix, counts, stats):
+def check_prefix_index(cache, prefix, counts, cached_free):
     """The prefix index against the pool and the live sequences (call with the cache's lock held).
 
     A prefix index adds no references: a registered block whose last reference went stays on the
@@ -417,22 +425,20 @@ def check_prefix_index(cache, prefix, counts, stats):
     keyed by its own hash; every entry sits on a block of its own (``_by_block`` names exactly the
     index's entries), so the index never holds more entries than the pool has blocks; the blocks
     marked cached are exactly the blocks of the valid entries; the free ones among them are
-    stats().cached_free_blocks; the valid copies under one key hold the same token ids, salt and
+    `cached_free` (stats().cached_free_blocks); the valid copies under one key hold the same token ids, salt and
     parent chain (a collision is never registered beside them).  Per live sequence (and only
     those: freeing and eviction release the state): its chain names its own blocks, each entry
     valid and in the index, with the sequence's token ids and salt, each chained to the one
     before it by content; and the chain covers every full block written on every layer whose
     ids are known (a live copy is always registered, so always hit-able), unless a hash
     collision stopped it (possible only where a test replaced ``_hash``)."""
-    from pagedkv.prefix import _same_prefix
-
     core = cache._core
     pool = core.pool
     n = cache.num_blocks
     bs = cache.block_size
-    cached = [b for b in range(n) if pool.is_cached(b, pool.generation(b))]
-    assert stats.cached_free_blocks == sum(1 for b in cached if counts[b] == 0), (
-        stats.cached_free_blocks, cached)
+    generation, is_cached = pool.generation, pool.is_cached
+    cached = [b for b in range(n) if is_cached(b, generation(b))]
+    assert cached_free == sum(1 for b in cached if counts[b] == 0), (cached_free, cached)
     entries = []
     for key, copies in prefix._index.items():
         assert isinstance(copies, list) and copies, (key, copies)

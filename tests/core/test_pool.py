@@ -356,3 +356,39 @@ def test_sequence_ids_are_distinct_ints(rng):
     assert len(set(sids)) == 10
     child = cache.fork(sids[3])
     assert isinstance(child, int) and child not in sids
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
+def test_debug_snapshot_agrees_with_the_per_item_reads(rng, kv_dtype):
+    """CacheCore.debug_snapshot (what the fuzz programs compare before and after every call)
+    holds what gather, kept_positions, priority, block_table, written_tokens and the pool's
+    per-block reads give one by one: over forks, StreamingLLM trims, a pending step and frees."""
+    c = pagedkv.PagedKVCache(num_blocks=24, block_size=3, num_kv_heads=2, head_dim=5,
+                             num_layers=2, kv_dtype=kv_dtype)
+    a = c.add_sequence(priority=1.5)
+    for layer in (0, 1):
+        c.append(a, *rng.standard_normal((2, 7, 2, 5)).astype(np.float32), layer=layer)
+    b = c.fork(a)
+    c.append(b, *rng.standard_normal((2, 2, 2, 5)).astype(np.float32))  # layer 1 pending
+    d = c.add_sequence()
+    for layer in (0, 1):
+        c.append(d, *rng.standard_normal((2, 9, 2, 5)).astype(np.float32), layer=layer)
+    c.apply_streaming_llm(d, 2, 4)
+    c.free(c.add_sequence())
+    core = c._core
+    seqs, pool, inner = core.debug_snapshot()
+    assert [s[0] for s in seqs] == [t[0] for t in inner[1]] == core.sequence_ids() == [a, b, d]
+    for (sid, length, kept, prio, kv), (_, table, written, segs) in zip(seqs, inner[1]):
+        assert length == core.seq_len(sid)
+        assert kept == core.kept_positions(sid).tobytes()
+        assert prio == core.priority(sid)
+        assert kv == b"".join(x.tobytes() for layer in (0, 1) for x in core.gather(sid, layer))
+        assert table == core.block_table(sid).tobytes()
+        assert written == core.written_tokens(sid)
+        g = core.debug_state(sid)
+        assert segs == (g["a0"], g["a1"], g["b0"], g["b1"], g["off0"], g["off1"])
+    p = core.pool
+    assert pool == (core.num_blocks, core.num_free_blocks,
+                    [(p.generation(i), p.is_cached(i, p.generation(i)), p.ref_count(i))
+                     for i in range(core.num_blocks)], p.num_cached_free)
+    assert inner[0] == p.free_blocks()

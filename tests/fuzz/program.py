@@ -132,51 +132,31 @@ class Runner(FileOps):
     # state
 
     def snapshot(self):
-        """What a failing call must leave as it was: {part: value}.
+        """What a failing call must leave as it was: {part: value}.  Sets self.inner to what
+        the invariant checks read beyond it (which a failing call may change: the free queue's
+        order, stale index entries dropped on sight): an unchanged snapshot and unchanged
+        internals mean the checks would see what they last passed.
 
-        Read through the core (the facade's seq_len, kept_positions, priority, sequence_ids and
-        gather are the core's, and the core is not instrumented: these reads are not the
-        search's coverage)."""
+        The core's part is one read through the core (CacheCore.debug_snapshot: every live
+        sequence's length, kept positions, priority and held K/V of every layer; every block's
+        generation, cached mark and references; the free queue, block tables, written tokens
+        and segments).  The core is not instrumented: these reads are not the search's
+        coverage."""
         c = self.cache
-        core, pool = c._core, c._core.pool
-        seqs = []
-        gather, seq_len, kept, priority = core.gather, core.seq_len, core.kept_positions, \
-            core.priority
-        layers = range(self.layers)
-        for sid in core.sequence_ids():
-            data = []
-            for layer in layers:
-                k, v = gather(sid, layer)
-                data.append((k.tobytes(), v.tobytes()))
-            seqs.append((sid, seq_len(sid), kept(sid).tobytes(), priority(sid), data))
-        gen, cached, ref = pool.generation, pool.is_cached, pool.ref_count
-        blocks = []
-        for b in range(core.num_blocks):
-            g = gen(b)
-            blocks.append((g, cached(b, g), ref(b)))
-        state = {"seqs": seqs, "pool": (core.num_blocks, core.num_free_blocks, blocks,
-                                        pool.num_cached_free)}
+        seqs, pool, inner = c._core.debug_snapshot()
+        state = {"seqs": seqs, "pool": pool}
         p = c._prefix
-        if p is not None:
-            state["index"] = sorted((e.key, e.block, e.gen, e.tokens, repr(e.salt))
-                                    for e in p._entries() if p._valid(e))
-            state["prefix_seqs"] = sorted((sid, list(st.tokens), [e.key for e in st.chain])
-                                          for sid, st in p._seqs.items())
-            state["counts"] = p.counts()
+        if p is None:
+            self.inner = inner + (None,)
+            return state
+        entries, valid = p._entries(), p._valid
+        state["index"] = sorted((e.key, e.block, e.gen, e.tokens, repr(e.salt))
+                                for e in entries if valid(e))
+        state["prefix_seqs"] = sorted((sid, list(st.tokens), [e.key for e in st.chain])
+                                      for sid, st in p._seqs.items())
+        state["counts"] = p.counts()
+        self.inner = inner + ([(e.key, e.block, e.gen, valid(e)) for e in entries],)
         return state
-
-    def internals(self):
-        """What the invariant checks read beyond the snapshot (which a failing call may change:
-        the free queue's order, stale index entries dropped on sight): unchanged internals and an
-        unchanged snapshot mean the checks would see what they last passed."""
-        c = self.cache
-        core = c._core
-        p = c._prefix
-        table, written = core.block_table, core.written_tokens
-        return (core.pool.free_blocks(),
-                [(sid, table(sid).tobytes(), written(sid)) for sid in core.sequence_ids()],
-                None if p is None else [(e.key, e.block, e.gen, p._valid(e))
-                                        for e in p._entries()])
 
     def used_entries(self):
         """The valid prefix-index entries whose block is in use (every copy: compaction moves
@@ -189,40 +169,54 @@ class Runner(FileOps):
     def check_accounting(self, state, inner):
         """reference.check_pool_invariants on the snapshot and internals just read (nothing
         has changed since): every reference count equals the block tables naming the block,
-        the free queue holds exactly the free blocks, stats agree, the prefix index agrees."""
+        the free queue holds exactly the free blocks, the prefix index agrees (stats():
+        check_stats, once a program)."""
         seqs, tables = state["seqs"], inner[1]
-        assert [s[0] for s in seqs] == [t[0] for t in tables]
         num_blocks, num_free, blocks, _ = state["pool"]
         check_accounting(self.cache,
-                         [(s[0], np.frombuffer(t[1], np.int32).tolist(), s[1])
+                         [(s[0], memoryview(t[1]).cast("i").tolist(), s[1])
                           for s, t in zip(seqs, tables)],
-                         [ref for _, _, ref in blocks], inner[0], num_free)
+                         [ref for _, _, ref in blocks], inner[0], num_free, with_stats=False)
 
-    def check_state(self, state):
+    def check_stats(self, state):
+        """stats() agrees with the snapshot `state` of the cache as it is now (it is computed
+        from the same counters on every call, so checking it once a program, at the end, sees
+        what any earlier call left wrong in them)."""
+        st = self.cache.stats()
+        num_blocks, num_free, _, cached_free = state["pool"]
+        assert (st.blocks_total, st.blocks_free, st.blocks_used) == (
+            num_blocks, num_free, num_blocks - num_free), st
+        assert st.tokens_held == sum(s[1] for s in state["seqs"]), st
+        assert st.sequences_active == len(state["seqs"]), st
+        assert st.cached_free_blocks == cached_free, st
+
+    def check_state(self, state, inner):
         """Invariants beyond the block accounting (reference.check_pool_invariants), on
-        `state`, the snapshot of the cache as it is now.  A sequence's own checks read its
-        segments, offsets, length, kept positions and priority; they run again only when one of
-        those changed since they last passed (self.checked)."""
+        `state` and `inner`, the snapshot of the cache as it is now and its internals.  A
+        sequence's own checks read its segments, offsets, length, kept positions and priority;
+        they run again only when one of those changed since they last passed (self.checked)."""
         c = self.cache
         core, pool = c._core, c._core.pool
-        debug = core.debug_state
         checked = {}
-        for sid, length, kept, pr, _ in state["seqs"]:
-            g = debug(sid)
-            key = (g["a0"], g["a1"], g["b0"], g["b1"], g["off0"], g["off1"], length, kept, pr)
+        for (sid, length, kept, pr, _), (sid2, _, _, g) in zip(state["seqs"], inner[1]):
+            assert sid == sid2, (sid, sid2)
+            key = (g, length, kept, pr)
             checked[sid] = key
             if self.checked.get(sid) == key:
                 continue
-            assert 0 <= g["a0"] <= g["a1"] <= g["b0"] <= g["b1"], g
-            assert g["a0"] == g["a1"] or g["a1"] + g["off0"] <= g["b0"] + g["off1"], g
-            kept = np.frombuffer(kept, np.int64)
-            assert len(kept) == length, (sid, len(kept), length)
-            assert kept.size == 0 or (kept[0] >= 0 and (kept[1:] > kept[:-1]).all()), kept
+            # kept positions: segment a's slots + off0, then segment b's + off1 (increasing,
+            # from 0 on)
+            a0, a1, b0, b1, off0, off1 = g
+            assert 0 <= a0 <= a1 <= b0 <= b1, g
+            assert a0 == a1 or a1 + off0 <= b0 + off1, g
+            assert length == a1 - a0 + b1 - b0 and len(kept) == 8 * length, (sid, length, g)
+            first = a0 + off0 if a1 > a0 else b0 + off1
+            assert not length or first >= 0, g
             assert math.isfinite(pr), f"sequence {sid} has priority {pr}"
         self.checked = checked
-        blocks = state["pool"][2]
-        cached_free = sum(1 for _, cached, ref in blocks if ref == 0 and cached)
-        assert pool.num_cached_free == cached_free, (pool.num_cached_free, cached_free)
+        _, _, blocks, num_cached_free = state["pool"]
+        cached_free = sum(1 for _, cached, ref in blocks if cached and not ref)
+        assert num_cached_free == cached_free, (num_cached_free, cached_free)
         p = c._prefix
         if p is None:
             return
@@ -552,20 +546,21 @@ class Runner(FileOps):
             [[0.0]],
         ])
 
-    def feature(self, name, outcome):
+    def feature(self, name, outcome, state, inner):
         """A number for (previous call, this call, its outcome, the shape of the sequence it
         named, the attention options it passed): segments held, a partial last block, a step not
         yet written on every layer, a shared last block, or no such sequence; window, softcap,
-        sinks, a window shorter than a live sequence."""
-        c, sid, shape = self.cache, self.target, 0
-        if type(sid) is int and sid in c:
-            core = c._core
-            g = core.debug_state(sid)
-            length = g["b1"] - g["b0"] + g["a1"] - g["a0"]
-            table = g["table"]
-            shape = (1 | (g["a1"] > g["a0"]) << 1 | (g["b1"] > g["b0"]) << 2
-                     | (length % self.bs != 0) << 3 | (core.written_tokens(sid) < length) << 4
-                     | (bool(table) and core.ref_count(table[-1]) > 1) << 5)
+        sinks, a window shorter than a live sequence.  `state` and `inner`: the snapshot after
+        the call."""
+        sid, shape = self.target, 0
+        if type(sid) is int:
+            for (s, length, _, _, _), (_, table, written, g) in zip(state["seqs"], inner[1]):
+                if s == sid:
+                    last = int.from_bytes(table[-4:], "little") if table else -1
+                    shape = (1 | (g[1] > g[0]) << 1 | (g[3] > g[2]) << 2
+                             | (length % self.bs != 0) << 3 | (written < length) << 4
+                             | (last >= 0 and state["pool"][2][last][2] > 1) << 5)
+                    break
         op = _OP_INDEX[name]
         f = ((((self.prev * 32 + op) * 16 + _OUTCOME_INDEX.get(outcome, 15)) * 64 + shape) * 16
              + self.opt_bits)
@@ -580,7 +575,8 @@ class Runner(FileOps):
             self._run()
 
     def _run(self):
-        state, inner = self.snapshot(), self.internals()
+        state = self.snapshot()
+        inner = self.inner
         for _ in range(MAX_OPS):
             if self.b.left() <= 0:
                 break
@@ -592,7 +588,7 @@ class Runner(FileOps):
                 call()
                 OUTCOMES[name, "ok"] += 1
                 outcome = "ok"
-                after = self.snapshot()
+                after, now = self.snapshot(), self.inner
                 if name in READ_ONLY and after != state:
                     raise AssertionError(f"a successful {name} changed the cache")
                 if self.rewrites:
@@ -600,7 +596,7 @@ class Runner(FileOps):
             except self.allowed as e:
                 outcome = type(e).__name__
                 OUTCOMES[name, outcome] += 1
-                after, before = self.snapshot(), self.before
+                after, now, before = self.snapshot(), self.inner, self.before
                 evicted = self.evicted_during(name, e, log_before)
                 if evicted and self.only_evicted(before, after, evicted):
                     OUTCOMES[name, "evicted-then-raised"] += 1
@@ -611,14 +607,14 @@ class Runner(FileOps):
                 if self.on_fail is not None:
                     self.on_fail()
             if FEEDBACK is not None:
-                FEEDBACK(self.feature(name, outcome))
-            now = self.internals()
+                FEEDBACK(self.feature(name, outcome, after, now))
             if after != state or now != inner:
                 self.ids()
                 self.freed = sorted(set(self.freed) | (set(live_before) - set(self.live)))[-8:]
                 self.check_accounting(after, now)
-                self.check_state(after)
+                self.check_state(after, now)
             state, inner = after, now
+        self.check_stats(state)
 
 
 def run_program(data: bytes):
