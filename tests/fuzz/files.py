@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 
 import pagedkv
-from fuzz.inputs import ALLOWED, LOAD_ALLOWED, Bytes, _cdiv, _stream_token
+from fuzz.inputs import ALLOWED, LOAD_ALLOWED, Bytes, _cdiv, _random_bytes, _stream_token
 
 
 # ----------------------------------------------------------------------
@@ -25,11 +25,11 @@ _IN = None  # the bytes in the scratch file "in" (None: unknown)
 _PREFIX = struct.Struct("<8sII")
 
 
-def _tmpdir():
+def _tmpdir(saving=False):
     """One scratch directory per process (emptied at the start of every program that follows one
-    which used it)."""
+    which saved in it)."""
     global _TMP, _DIRTY
-    _DIRTY = True
+    _DIRTY = _DIRTY or saving
     if _TMP is None:
         # in memory where the system has it: a save syncs its file and directory to disk
         shm = "/dev/shm"
@@ -65,9 +65,13 @@ def _split(data):
     return version, header, data[_PREFIX.size + hlen:-4]
 
 
+_FRESH = {}  # (configuration, prefix caching) -> FileOps._fresh_file()
+_JSON = json.JSONEncoder(separators=(",", ":"))  # as persist.save writes headers
+
+
 def _pack(version, header, payload, crc_ok=True, hlen_delta=0):
     """A file with a valid checksum (unless crc_ok is False)."""
-    h = json.dumps(header, separators=(",", ":")).encode()
+    h = _JSON.encode(header).encode()
     body = _PREFIX.pack(pagedkv.persist.MAGIC, version, max(0, len(h) + hlen_delta)) + h + payload
     return body + struct.pack("<I", zlib.crc32(body) ^ (0 if crc_ok else 1))
 
@@ -107,7 +111,7 @@ class FileOps:
 
     def _save(self, sid):
         b, c = self.b, self.cache
-        tmp = _tmpdir()
+        tmp = _tmpdir(saving=True)
         slot = os.path.join(tmp, f"s{b.int(0, 3)}")
         how = b.int(0, 15)
         bad_type = type(sid) not in (int, np.int32, np.int64, np.uint8)
@@ -224,15 +228,19 @@ class FileOps:
 
     def _fresh_file(self):
         """A sequence file for this cache's configuration, made here (so programs load and
-        forge files without saving first)."""
+        forge files without saving first); made once per configuration and process."""
         if self.fresh is not None:
             return self.fresh  # the configuration of a cache never changes
         c = self.cache
-        header = {"config": pagedkv.persist.config_of(c),
-                  "sequence": dict(nblk=0, a0=0, a1=0, b0=0, b1=0, off0=0, off1=0,
-                                   priority=0.0, length=0),
-                  "token_ids": [] if c._prefix is not None else None, "payload_bytes": 0}
-        self.fresh = _pack(pagedkv.persist.VERSION, header, b"")
+        config = pagedkv.persist.config_of(c)
+        key = (repr(config), c._prefix is not None)
+        self.fresh = _FRESH.get(key)
+        if self.fresh is None:
+            header = {"config": config,
+                      "sequence": dict(nblk=0, a0=0, a1=0, b0=0, b1=0, off0=0, off1=0,
+                                       priority=0.0, length=0),
+                      "token_ids": [] if c._prefix is not None else None, "payload_bytes": 0}
+            self.fresh = _FRESH[key] = _pack(pagedkv.persist.VERSION, header, b"")
         return self.fresh
 
     def _forge(self, data):
@@ -304,8 +312,7 @@ class FileOps:
         if kind == 0:
             payload = bytes(size)
         elif kind == 1:
-            payload = np.random.default_rng(b.byte()).integers(0, 256, size,
-                                                               dtype=np.uint8).tobytes()
+            payload = _random_bytes(b.byte(), size)
         else:
             payload = (payload * (size // max(1, len(payload)) + 1))[:size] if payload else bytes(
                 size)

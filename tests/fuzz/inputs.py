@@ -45,10 +45,21 @@ class Bytes:
         return lo + v % span
 
     def pick(self, options):
-        return options[self.int(0, len(options) - 1)]
+        span = len(options)
+        if 0 < span < 256:  # what int(0, span - 1) reads, inline (most calls)
+            pos = self.pos
+            if pos >= len(self.data):
+                return options[0]
+            self.pos = pos + 1
+            return options[self.data[pos] % span]
+        return options[self.int(0, span - 1)]
 
     def chance(self, in256):
-        return self.byte() < in256
+        pos = self.pos  # byte() < in256, inline
+        if pos >= len(self.data):
+            return 0 < in256
+        self.pos = pos + 1
+        return self.data[pos] < in256
 
 
 def _hostile_int(b: Bytes, good):
@@ -60,19 +71,36 @@ def _hostile_int(b: Bytes, good):
                    np.uint64(2**64 - 1), np.int64(-1), np.float32(good), [good]])
 
 
+_HOSTILE_SIDS = [-1, 0, 1, 7, 2**31, 2**62, 2**64, -2**70, 1.5, True, None, "0", np.int32(0),
+                 np.uint8(1), np.float64(0)]
+
+
 def _sid(b: Bytes, live, freed):
     r = b.byte()
     if live and r < 215:
         return live[r % len(live)]
     if freed and r < 235:
         return freed[r % len(freed)]
-    return b.pick([-1, 0, 1, 7, 2**31, 2**62, 2**64, -2**70, 1.5, True, None, "0",
-                   np.int32(0), np.uint8(1), np.float64(0)])
+    return b.pick(_HOSTILE_SIDS)
 
 
 #: standard normal values, drawn once: an array's data is a slice of them at an offset the
 #: bytes choose (a Generator per array cost more than the call it fed)
 _NORMALS = np.random.default_rng(0).standard_normal(1 << 16)
+
+
+_RANDOM_BYTES = {}
+
+
+def _random_bytes(seed, n):
+    """np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes(), from a stream
+    drawn once per seed (a shorter draw of one seed is a prefix of a longer one; building the
+    Generator cost more than the call it fed)."""
+    have = _RANDOM_BYTES.get(seed, b"")
+    if len(have) < n:
+        have = _RANDOM_BYTES[seed] = np.random.default_rng(seed).integers(
+            0, 256, max(n, 4096), dtype=np.uint8).tobytes()
+    return have[:n]
 
 
 def _normals(b: Bytes, n):

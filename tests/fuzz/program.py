@@ -536,15 +536,19 @@ class Runner(FileOps):
         b = self.b
         if b.chance(200):
             return None
-        dt = self.np_dtype
-        return b.pick([
-            np.empty((m, hq, self.d), dt),
-            np.empty((m, hq, self.d + 1), dt),
-            np.empty((m, hq, self.d), np.float16),
-            np.empty((m, hq, 2 * self.d), dt)[:, :, ::2],
-            np.empty((m + 1, hq, self.d), dt),
-            [[0.0]],
-        ])
+        dt, d = self.np_dtype, self.d
+        how = b.int(0, 5)
+        if how == 0:
+            return np.empty((m, hq, d), dt)
+        if how == 1:
+            return np.empty((m, hq, d + 1), dt)
+        if how == 2:
+            return np.empty((m, hq, d), np.float16)
+        if how == 3:
+            return np.empty((m, hq, 2 * d), dt)[:, :, ::2]
+        if how == 4:
+            return np.empty((m + 1, hq, d), dt)
+        return [[0.0]]
 
     def feature(self, name, outcome, state, inner):
         """A number for (previous call, this call, its outcome, the shape of the sequence it
