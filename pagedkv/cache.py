@@ -201,13 +201,12 @@ class PagedKVCache(EvictionMethods):
                 not isinstance(dtype, str) and np.dtype(dtype) == np.float64)
             cos, sin = rope.tables(int(mbps) * int(block_size), int(head_dim),
                                    np.float64 if wide else np.float32)
-        evictor_args = (eviction_strategy, eviction_threshold, on_evict)
-        SequenceEvictor(None, *evictor_args)  # validates before the pool is allocated
+        # validated before the pool is allocated; bound to the core by attach() below
+        self._evictor = SequenceEvictor(None, eviction_strategy, eviction_threshold, on_evict)
         core = CacheCore(num_blocks, block_size, num_kv_heads, head_dim, num_layers, dtype,
                          max_seqs, max_blocks_per_seq, cos, sin, lrf=bool(prefix_caching),
                          kv_dtype=kv_dtype, raw16=raw16)
         self._core = core
-        self._evictor = SequenceEvictor(core, *evictor_args)
         self._prefix = PrefixCache(core) if prefix_caching else None
         self.streaming = streaming
         self.rope = rope

@@ -161,6 +161,11 @@ class SequenceEvictor(CachePolicy):
         #: whether the cache's appends evict other sequences instead of raising
         self.automatic = False
 
+    def attach(self, core) -> None:
+        """The policy hook (``pagedkv/policy.py``): the core whose sequences it ranks and
+        evicts (a SequenceEvictor made with core None, to validate its settings first)."""
+        self._core = core
+
     # settings, validated
     @property
     def strategy(self) -> EvictionStrategy:

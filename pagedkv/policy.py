@@ -12,7 +12,7 @@ The hooks:
 
 =====================================  ========================================================
 ``attach(core)``                       once, when the cache is built (StreamingLLM sets the
-                                       core's trim sizes)
+                                       core's trim sizes; eviction binds to the core)
 ``wrap_append(fn)``,                   compose the cache's ``append`` / ``append_batch`` (each
 ``wrap_append_batch(fn)``              policy wraps what the previous one returned; called
                                        again when ``auto_evict`` changes).  Returning `fn`
