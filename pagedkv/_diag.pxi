@@ -51,7 +51,7 @@ cdef object _debug_state(CacheCore core, object sid):
 
 cdef object _debug_snapshot(CacheCore core):
     """Everything a failed call must leave as it was, read in one pass (for the fuzz
-    programs and state machines, which compare it before and after every call):
+    programs, tests/fuzz/program.py, which compare it before and after every call):
     (seqs, pool, inner) with
       seqs:  per live sequence, lowest slot first: (sid, held tokens, kept positions as
              int64 bytes, priority, the held K then V of layer 0, 1, ... as gather returns
