@@ -61,7 +61,7 @@ cdef object _debug_snapshot(CacheCore core):
       inner: (the free queue in hand-out order, per live sequence (sid, block table as
              int32 bytes, written_tokens, (a0, a1, b0, b1, off0, off1))): what the
              invariant checks read beyond the snapshot."""
-    cdef int64_t i, n0, held, pos
+    cdef int64_t i, n0, held
     cdef int l
     cdef Seq *s
     cdef pkv_segs g
@@ -76,12 +76,6 @@ cdef object _debug_snapshot(CacheCore core):
         g = s.segs
         held = pkv_held(&g)
         n0 = g.a1 - g.a0
-        kept = PyBytes_FromStringAndSize(NULL, 8 * held)
-        p = PyBytes_AS_STRING(kept)
-        for pos in range(g.a0, g.a1):
-            (<int64_t *>p)[pos - g.a0] = pos + s.off0
-        for pos in range(g.b0, g.b1):
-            (<int64_t *>p)[n0 + pos - g.b0] = pos + s.off1
         plane = held * tok
         kv = PyBytes_FromStringAndSize(NULL, 2 * plane * core.num_layers)
         p = PyBytes_AS_STRING(kv)
@@ -91,12 +85,9 @@ cdef object _debug_snapshot(CacheCore core):
             pkv_read_tokens(&pool.geom, pool.arena, s.table, l, g.b0, g.b1, p + n0 * tok,
                             p + plane + n0 * tok, core.io)
             p += 2 * plane
-        seqs.append((s.sid, held, kept, s.priority, kv))
-        w = s.written[0]
-        for l in range(1, core.num_layers):
-            w = min(w, s.written[l])
-        tables.append((s.sid, PyBytes_FromStringAndSize(<char *>s.table, 4 * s.nblk), w,
-                       (g.a0, g.a1, g.b0, g.b1, s.off0, s.off1)))
+        seqs.append((s.sid, held, _kept_positions(core, s.sid).tobytes(), s.priority, kv))
+        tables.append((s.sid, PyBytes_FromStringAndSize(<char *>s.table, 4 * s.nblk),
+                       _written_tokens(core, s.sid), (g.a0, g.a1, g.b0, g.b1, s.off0, s.off1)))
     blocks = [(pool.gen[i], bool(pool.cached[i]), pool.refcount[i])
               for i in range(pool.num_blocks)]
     return (seqs, (pool.num_blocks, pool.num_free, blocks, pool.num_cached_free),

@@ -425,13 +425,13 @@ def check_prefix_index(cache, prefix, counts, cached_free):
     keyed by its own hash; every entry sits on a block of its own (``_by_block`` names exactly the
     index's entries), so the index never holds more entries than the pool has blocks; the blocks
     marked cached are exactly the blocks of the valid entries; the free ones among them are
-    `cached_free` (stats().cached_free_blocks); the valid copies under one key hold the same token ids, salt and
-    parent chain (a collision is never registered beside them).  Per live sequence (and only
-    those: freeing and eviction release the state): its chain names its own blocks, each entry
-    valid and in the index, with the sequence's token ids and salt, each chained to the one
-    before it by content; and the chain covers every full block written on every layer whose
-    ids are known (a live copy is always registered, so always hit-able), unless a hash
-    collision stopped it (possible only where a test replaced ``_hash``)."""
+    `cached_free` (stats().cached_free_blocks); the valid copies under one key hold the same
+    token ids, salt and parent chain (a collision is never registered beside them).  Per live
+    sequence (and only those: freeing and eviction release the state): its chain names its own
+    blocks, each entry valid and in the index, with the sequence's token ids and salt, each
+    chained to the one before it by content; and the chain covers every full block written on
+    every layer whose ids are known (a live copy is always registered, so always hit-able),
+    unless a hash collision stopped it (possible only where a test replaced ``_hash``)."""
     core = cache._core
     pool = core.pool
     n = cache.num_blocks
