@@ -9,12 +9,23 @@
  * the unit's arithmetic instead of issued in a burst.  attn_item.h says which
  * units it prefetches.
  *
- * Measured with benchmarks/c/decode_ceiling.c (this AMD EPYC, AVX-512, f32
- * B=8 L=2048, 1 thread, decode CPU time as % of the pattern read's, paired):
- * one unit ahead 62-66%, two 55-59%, three 55-58%, a whole phase (the next
- * tile's K while V is read, and so on) 58-63%; every line 62-73%, every
- * other line 48-50%, every fourth 52%; into L1 (prefetcht0) 62%, into L2
- * 55-57%; 4 lines per step 62-67%, 2 lines 66%, 8 lines 57%.
+ * A step issues as many lines as the step itself reads of the unit in hand
+ * (attn_tile.h: PKV_PF_STEP_LINES), so the next unit arrives at the pace the
+ * current one is consumed, spread over the whole unit.  A V unit and the next
+ * unit hold the same bytes, and a P.V step reads PKV_PV_NV vectors of one V
+ * row: one line per step with AVX2 (2 x 8 floats), four with AVX-512 (4 x 16).
+ *
+ * Measured with benchmarks/c/decode_ceiling.c (decode CPU time as % of the
+ * pattern read's, f32 B=8 L=2048, 1 thread, paired):
+ *   AMD EPYC (Zen 5 class), AVX-512: one unit ahead 62-66%, two 55-59%, three
+ *   55-58%, a whole phase (the next tile's K while V is read, and so on)
+ *   58-63%; every line 62-73%, every other line 48-50%, every fourth 52%;
+ *   into L1 (prefetcht0) 62%, into L2 55-57%; 4 lines per step 62-67%, 2
+ *   lines 66%, 8 lines 57%.
+ *   AMD EPYC (Zen 3 class), AVX2, alternated rounds: 4 lines per step 48-59%
+ *   (B=1 L=8192: 50-59%), 2 lines 58-65% (55-69%), 1 line (the pace of the
+ *   reading) 60-72% (53-74%); 2 threads 55-59% -> 66-68% (50-56% -> 71-73%);
+ *   f64 38-39% -> 44-46%.
  */
 #pragma once
 #include <stddef.h>
@@ -30,21 +41,24 @@ typedef struct {
 } pkv_pfs;
 
 /* A kernel's inner loop steps a local copy (kept in registers) and writes it
- * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP; } PKV_PFS_END(ps);
- * A step issues PKV_PF_LINES lines (the units' slices are whole multiples of
- * that in the common geometries; a step may run a little past a slice's end,
- * which a prefetch tolerates), with one branch when nothing is left. */
-#ifndef PKV_PF_LINES
-#define PKV_PF_LINES 4
-#endif
+ * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP(n); } PKV_PFS_END(ps);
+ * A step issues n lines, a constant of the loop (the units' slices are whole
+ * multiples of that in the common geometries; a step may run a little past a
+ * slice's end, which a prefetch tolerates), with one branch when nothing is
+ * left.  -DPKV_PF_LINES=N makes every step issue N lines (for measurements). */
 #define PKV_PFS_BEGIN(ps)                                                          \
     pkv_pfs *pf_s_ = (ps);                                                         \
     const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL;
-#define PKV_PFS_STEP                                                               \
+#ifdef PKV_PF_LINES
+#define PKV_PFS_LINES_(n) (PKV_PF_LINES)
+#else
+#define PKV_PFS_LINES_(n) (n)
+#endif
+#define PKV_PFS_STEP(n)                                                            \
     if (pf_at_ < pf_end_) {                                                        \
-        for (int pf_i_ = 0; pf_i_ < PKV_PF_LINES; pf_i_++)                         \
+        for (int pf_i_ = 0; pf_i_ < PKV_PFS_LINES_(n); pf_i_++)                    \
             __builtin_prefetch(pf_at_ + pf_i_ * PKV_PF_STRIDE, 0, PKV_PF_LOCALITY); \
-        pf_at_ += PKV_PF_LINES * PKV_PF_STRIDE;                                    \
+        pf_at_ += PKV_PFS_LINES_(n) * PKV_PF_STRIDE;                               \
         if (pf_at_ >= pf_end_) pkv_pfs_next(pf_s_, &pf_at_, &pf_end_);             \
     }
 #define PKV_PFS_END(ps)                                                            \
