@@ -10,7 +10,10 @@
 
 cdef object _kept_positions(CacheCore core, object sid):
     """Original stream positions of the held tokens, in order (int64)."""
-    cdef Seq *s = core.seqs.lookup(sid)
+    return _seq_kept_positions(core.seqs.lookup(sid))
+
+
+cdef object _seq_kept_positions(const Seq *s):
     cdef int64_t i, n = 0
     cdef int64_t *p
     out = cnp.PyArray_EMPTY(1, [pkv_held(&s.segs)], cnp.NPY_INT64, 0)
@@ -85,9 +88,9 @@ cdef object _debug_snapshot(CacheCore core):
             pkv_read_tokens(&pool.geom, pool.arena, s.table, l, g.b0, g.b1, p + n0 * tok,
                             p + plane + n0 * tok, core.io)
             p += 2 * plane
-        seqs.append((s.sid, held, _kept_positions(core, s.sid).tobytes(), s.priority, kv))
+        seqs.append((s.sid, held, _seq_kept_positions(s).tobytes(), s.priority, kv))
         tables.append((s.sid, PyBytes_FromStringAndSize(<char *>s.table, 4 * s.nblk),
-                       _written_tokens(core, s.sid), (g.a0, g.a1, g.b0, g.b1, s.off0, s.off1)))
+                       _seq_written_tokens(core, s), (g.a0, g.a1, g.b0, g.b1, s.off0, s.off1)))
     blocks = [(pool.gen[i], bool(pool.cached[i]), pool.refcount[i])
               for i in range(pool.num_blocks)]
     return (seqs, (pool.num_blocks, pool.num_free, blocks, pool.num_cached_free),
@@ -95,7 +98,11 @@ cdef object _debug_snapshot(CacheCore core):
 
 
 cdef object _written_tokens(CacheCore core, object sid):
-    cdef Seq *s = core.seqs.lookup(sid)
+    return _seq_written_tokens(core, core.seqs.lookup(sid))
+
+
+cdef int64_t _seq_written_tokens(CacheCore core, const Seq *s):
+    """Tokens written on every layer (the least of the layers' counts)."""
     cdef int64_t w = s.written[0]
     cdef int l
     for l in range(1, core.num_layers):
