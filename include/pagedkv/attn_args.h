@@ -165,11 +165,15 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
 
 /* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,
  * query rows, accumulators, alpha, a tile's scores (PKV_MAX_ROWS rows of
- * pkv_tile_cols), and kbuf: a tile's keys rotated by RoPE, [d][tile cols]. */
+ * pkv_tile_cols), and kbuf: a tile's keys rotated by RoPE, [d][tile cols],
+ * which P.V reuses as its work space (a padding row of d values, then int8
+ * V's folded weights: PKV_MAX_ROWS + 4 rows of tile cols; attn_tile.h). */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
     const size_t cols = (size_t)pkv_tile_cols(bs);
+    const size_t rope = (size_t)d * cols;
+    const size_t values = (size_t)(d + 15) / 16 * 16 + (size_t)(PKV_MAX_ROWS + 4) * cols;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
            PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) +
-           PKV_ALIGN_UP((size_t)d * cols * itemsize) + PKV_ALIGN;
+           PKV_ALIGN_UP((rope > values ? rope : values) * itemsize) + PKV_ALIGN;
 }

@@ -4,7 +4,7 @@
  * work items (attn_item.h) over threads; decode merges split-K partials.
  *
  * A template, like attn_impl.h that includes it (its vocabulary and
- * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ * PKV_STORE_SCALED: there): no include guard.
  */
 
 /* One decode work item `it` of the plan (see decode). */

@@ -12,8 +12,10 @@
  *   PKV_KFN(name)  name mangling per (storage, compute, ISA)
  *   PKV_CFN(name)  the same function of the instance whose storage is the
  *                  compute type (keys rotated by RoPE are scored by it)
- *   PKV_STORE_SCALED  1 for int8: every loaded vector is multiplied by its
- *                  group's scales (converted on load, like the other formats)
+ *   PKV_STORE_SCALED  1 for int8: a float32 scale per PKV_I8_GROUP values of
+ *                  a key or value; scores apply the keys' scales once per
+ *                  group of dimensions, P.V folds the values' scales into
+ *                  the weights (attn_tile.h)
  *
  * A new storage format is a load vocabulary (PKV_SLOAD / PKV_SGET) plus an
  * entry in attn_instances.h and attention.h's dispatch table; nothing in
@@ -42,17 +44,10 @@
 #define PKV_SCALED_DEFAULTED
 #endif
 
-#if PKV_STORE_SCALED
-#define PKV_KGROUP PKV_I8_GROUP
-#else
-#define PKV_KGROUP (1 << 30)
-#endif
-
 #include "attn_tile.h"
 #include "attn_item.h"
 #include "attn_calls.h"
 
-#undef PKV_KGROUP
 #ifdef PKV_SCALED_DEFAULTED
 #undef PKV_STORE_SCALED
 #undef PKV_SCALED_DEFAULTED

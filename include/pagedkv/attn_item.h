@@ -4,7 +4,7 @@
  * (attn_tile.h), with the prefetch stream of the next unit (prefetch.h).
  *
  * A template, like attn_impl.h that includes it (its vocabulary and
- * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ * PKV_STORE_SCALED: there): no include guard.
  */
 
 /* One work item: kv heads [h0, h0 + nh) of sequence s against their query

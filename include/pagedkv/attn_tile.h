@@ -14,7 +14,7 @@
  * registers of the instruction set (PKV_SC_NV, PKV_PV_NV: vocab_*.h).
  *
  * A template, like attn_impl.h that includes it (its vocabulary and
- * PKV_KGROUP / PKV_STORE_SCALED: there): no include guard.
+ * PKV_STORE_SCALED: there): no include guard.
  */
 
 /* One step of a register tile, shared by both micro-kernels: NV vectors
@@ -61,7 +61,45 @@
 /* Scores of R rows x NV key vectors.  q[r] are the rows (scaled queries),
  * e[v] the key vectors (pkv_kvec: K^T at dim 0 of lane 0, int8 scales at
  * group 0 of lane 0), stride = items from one dimension to the next.  The
- * results go to out[r * NV + v]. */
+ * results go to out[r * NV + v].
+ *
+ * int8 keys: each scale group of dimensions is summed on its own (the key
+ * values as stored, converted) and multiplied by its keys' scales once, at
+ * the group's end, instead of every loaded vector being scaled: one
+ * multiply per group and key vector rather than per dimension.  The group's
+ * sums take a second register tile; the running totals are touched once a
+ * group, so where registers run out (AVX2) they are the ones that wait in
+ * L1. */
+#if PKV_STORE_SCALED
+#define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
+    static inline void PKV_KFN(NAME)(const PKV_T *const *q, const pkv_kvec *e, size_t stride,      \
+                                     int d, PKV_VEC *out, pkv_pfs *ps) {                           \
+        PKV_VEC tot[R][NV];                                                                        \
+        const PKV_S *kp[NV];                                                                       \
+        for (int v = 0; v < NV; v++) kp[v] = (const PKV_S *)e[v].k;                                \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < NV; v++) tot[r][v] = PKV_VZERO();                                  \
+        PKV_PFS_BEGIN(ps)                                                                          \
+        for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {                                               \
+            const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;                              \
+            PKV_VEC acc[DS][R][NV];                                                                \
+            for (int u = 0; u < DS; u++)                                                           \
+                for (int r = 0; r < R; r++)                                                        \
+                    for (int v = 0; v < NV; v++) acc[u][r][v] = PKV_VZERO();                       \
+            int i = i0;                                                                            \
+            PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, i1)                                \
+            PKV_VEC scv[NV];                                                                       \
+            for (int v = 0; v < NV; v++)                                                           \
+                scv[v] = PKV_LDSC(e[v].sc + (size_t)(i0 / PKV_I8_GROUP) * stride);                 \
+            PKV_MK_REDUCE(acc, R, NV, DS, PKV_SC_GROUP_PUT)                                        \
+        }                                                                                          \
+        PKV_PFS_END(ps)                                                                            \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < NV; v++) out[r * NV + v] = tot[r][v];                              \
+    }
+/* a group's sum t of row r, key vector v into the row's total */
+#define PKV_SC_GROUP_PUT(r, v, nv, t) tot[r][v] = PKV_VFMA(t, scv[v], tot[r][v])
+#else
 #define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
     static inline void PKV_KFN(NAME)(const PKV_T *const *q, const pkv_kvec *e, size_t stride,      \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                           \
@@ -72,29 +110,17 @@
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < NV; v++) acc[u][r][v] = PKV_VZERO();                           \
         PKV_PFS_BEGIN(ps)                                                                          \
-        for (int i0 = 0; i0 < d; i0 += PKV_KGROUP) {                                               \
-            const int i1 = d - i0 < PKV_KGROUP ? d : i0 + PKV_KGROUP;                              \
-            PKV_SC_GROUP_SCALES(NV)                                                                \
-            int i = i0;                                                                            \
-            PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, i1)                                \
-        }                                                                                          \
+        int i = 0;                                                                                 \
+        PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, d)                                     \
         PKV_PFS_END(ps)                                                                            \
         PKV_MK_REDUCE(acc, R, NV, DS, PKV_SC_PUT)                                                  \
     }
-/* key vector v at dimension k, query row r's value there, and a row's result */
-#define PKV_SC_K(v, k) PKV_SC_LOADK(kp[v] + (size_t)(k) * stride, v)
+#endif
+/* key vector v at dimension k (as stored, converted), query row r's value
+ * there, and a row's result */
+#define PKV_SC_K(v, k) PKV_SLOAD(kp[v] + (size_t)(k) * stride)
 #define PKV_SC_Q(r, k) q[r][k]
 #define PKV_SC_PUT(r, v, nv, t) out[r * nv + v] = t
-
-#if PKV_STORE_SCALED
-#define PKV_SC_GROUP_SCALES(NV)                                                             \
-    PKV_VEC scv[NV];                                                                        \
-    for (int v = 0; v < NV; v++) scv[v] = PKV_LDSC(e[v].sc + (size_t)(i0 / PKV_I8_GROUP) * stride);
-#define PKV_SC_LOADK(p, v) PKV_VMUL(PKV_SLOAD(p), scv[v])
-#else
-#define PKV_SC_GROUP_SCALES(NV)
-#define PKV_SC_LOADK(p, v) PKV_SLOAD(p)
-#endif
 
 /* The register tiles of a micro-kernel MK(NAME, R, NV, DS), named pfx_4xn,
  * pfx_4x1, pfx_1xn, pfx_1x1: 4 or 1 rows x NV or 1 vectors, and DS
@@ -108,8 +134,8 @@
     MK(pfx##_1x1, 1, 1, 4)
 
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
-#undef PKV_SC_GROUP_SCALES
-#undef PKV_SC_LOADK
+#undef PKV_SCORES_MK
+#undef PKV_SC_GROUP_PUT
 #undef PKV_SC_K
 #undef PKV_SC_Q
 #undef PKV_SC_PUT
@@ -203,7 +229,20 @@ typedef struct {
     int off, n, col;        /* slots [off, off + n) -> tile columns [col, col + n) */
 } PKV_KFN(run_t);
 
-/* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]. */
+/* int8 V: where a micro-kernel's NV vectors of dimensions lie in one scale
+ * group, tile_values folds the values' scales of that group into the
+ * weights (fold_weights) and the micro-kernels take the values as stored,
+ * converted: the tile's rows x keys multiplies per group instead of one per
+ * loaded vector.  A wider chunk (AVX-512 float32: 4 x 16 dimensions, two
+ * groups) scales each loaded vector by its key's scale. */
+#if PKV_STORE_SCALED && PKV_PV_NV * PKV_W <= PKV_I8_GROUP
+#define PKV_PV_FOLD 1
+#else
+#define PKV_PV_FOLD 0
+#endif
+
+/* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]
+ * (with PKV_PV_FOLD, the weights times the chunk's group of V scales). */
 #define PKV_PV_MK(NAME, R, NV, JS)                                                                 \
     static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
                                      const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
@@ -233,7 +272,7 @@ typedef struct {
 #define PKV_PV_P(r, k) p[r][col + k]
 #define PKV_PV_PUT(r, v, nv, t) PKV_VSTORE(y[r] + i + v * PKV_W, t)
 
-#if PKV_STORE_SCALED
+#if PKV_STORE_SCALED && !PKV_PV_FOLD
 /* a vector of PKV_W dimensions lies in one scale group (PKV_W divides PKV_I8_GROUP) */
 #define PKV_PV_SCALES(NV)                                                                   \
     const float *vs[NV];                                                                    \
@@ -263,9 +302,27 @@ static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t 
 #endif
 }
 
+#if PKV_PV_FOLD
+/* f [row][ldc] = the weights of rows pr[0, nrows) times the V scales of
+ * group g of each key of the runs */
+static inline void PKV_KFN(fold_weights)(PKV_T *restrict f, int ldc, const PKV_T *const *pr, int nrows,
+                                         const PKV_KFN(run_t) *runs, int nr, size_t bs, int g) {
+    for (int u = 0; u < nr; u++) {
+        const float *sc = runs[u].vsc + (size_t)g * bs + runs[u].off;
+        const int n = runs[u].n, col = runs[u].col;
+        for (int a = 0; a < nrows; a++) {
+            const PKV_T *restrict src = pr[a] + col;
+            PKV_T *restrict dst = f + (size_t)a * ldc + col;
+            for (int j = 0; j < n; j++) dst[j] = src[j] * (PKV_T)sc[j];
+        }
+    }
+}
+#endif
+
 /* acc rows = acc * alpha + P . V over the tile's runs; rows as in
- * tile_scores (a short last group writes its extra rows to `spare`, d
- * values of scratch).  The dimension chunk is the outer loop and the row
+ * tile_scores.  `work` is scratch (pkv_scratch_bytes): a short last group
+ * writes its extra rows to its first d values; with PKV_PV_FOLD the folded
+ * weights follow ([rows][ldc]).  The dimension chunk is the outer loop and the row
  * groups the inner one, so the chunk's V slice (the tile's keys x NV
  * vectors) is reused by every group of rows while it is in L1: with the row
  * groups outer, a prefill tile (64 rows) read the whole V tile from L2 once
@@ -273,8 +330,9 @@ static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t 
 static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, int na,
                                         const PKV_T *restrict p, int ldc, const PKV_T *restrict alpha,
                                         const PKV_KFN(run_t) *runs, int nr, size_t bs, int d,
-                                        PKV_T *restrict spare, pkv_pfs *ps) {
+                                        PKV_T *restrict work, pkv_pfs *ps) {
     const int R = na == 1 ? 1 : 4, ngr = (na + R - 1) / R;
+    PKV_T *spare = work;
     PKV_T *y[PKV_MAX_ROWS + 4];
     const PKV_T *pr[PKV_MAX_ROWS + 4];
     PKV_T al[PKV_MAX_ROWS + 4];
@@ -290,19 +348,45 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
         }
     }
     if (ngr * R > na) memset(spare, 0, sizeof(PKV_T) * (size_t)d);
+#if PKV_PV_FOLD
+    /* pw: the weights the micro-kernels take, folded with the V scales of
+     * group fg (refolded when a chunk starts a new group) */
+    PKV_T *fold = work + (d + 15) / 16 * 16;
+    const PKV_T *pw[PKV_MAX_ROWS + 4];
+    for (int a = 0; a < ngr * R; a++) pw[a] = fold + (size_t)a * ldc;
+    int fg = -1;
+#define PKV_PV_WEIGHTS(i)                                                          \
+    if ((i) / PKV_I8_GROUP != fg) {                                               \
+        fg = (i) / PKV_I8_GROUP;                                                   \
+        PKV_KFN(fold_weights)(fold, ldc, pr, ngr * R, runs, nr, bs, fg);           \
+    }
+#else
+    const PKV_T *const *pw = pr;
+#define PKV_PV_WEIGHTS(i)
+#endif
     int i = 0;
     if (R == 4) {
-        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W)
+        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W) {
+            PKV_PV_WEIGHTS(i)
             for (int g = 0; g < ngr; g++)
-                PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
-        for (; i + PKV_W <= d; i += PKV_W)
+                PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
+        }
+        for (; i + PKV_W <= d; i += PKV_W) {
+            PKV_PV_WEIGHTS(i)
             for (int g = 0; g < ngr; g++)
-                PKV_KFN(pv_4x1)(y + 4 * g, al + 4 * g, pr + 4 * g, runs, nr, bs, d, i, ps);
+                PKV_KFN(pv_4x1)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
+        }
     } else {
-        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W)
-            PKV_KFN(pv_1xn)(y, al, pr, runs, nr, bs, d, i, ps);
-        for (; i + PKV_W <= d; i += PKV_W) PKV_KFN(pv_1x1)(y, al, pr, runs, nr, bs, d, i, ps);
+        for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W) {
+            PKV_PV_WEIGHTS(i)
+            PKV_KFN(pv_1xn)(y, al, pw, runs, nr, bs, d, i, ps);
+        }
+        for (; i + PKV_W <= d; i += PKV_W) {
+            PKV_PV_WEIGHTS(i)
+            PKV_KFN(pv_1x1)(y, al, pw, runs, nr, bs, d, i, ps);
+        }
     }
+#undef PKV_PV_WEIGHTS
     for (; i < d; i++) /* dimensions past the last whole vector */
         for (int r = 0; r < na; r++) {
             PKV_T s = y[r][i] * al[r];
@@ -420,3 +504,4 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         alpha[a] = al;
     }
 }
+#undef PKV_PV_FOLD
