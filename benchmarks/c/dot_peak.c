@@ -1,0 +1,174 @@
+/* dot_peak.c -- what one core's integer dot-product instructions give
+ * against the float32 FMA the kernels use, in the shape of the kernels'
+ * register tile.
+ *
+ * Storage-native dot products (int8 keys against a quantized query) only pay
+ * where the integer instructions multiply-add more values per cycle than
+ * the FMA; this probe measures that ratio.  Each loop is the inner step of a
+ * 4-row x 2-vector register tile: two vectors loaded from an L1-resident
+ * buffer, each multiplied with four broadcast rows and accumulated into
+ * eight independent accumulators, so the loads, the multiplies and the
+ * accumulation all count, as they do in a kernel:
+ *
+ *   fma_f32      vfmadd231ps: 8 multiply-adds per instruction
+ *   madd_i16     vpmaddwd + vpaddd: 16 (int16 pairs into int32)
+ *   maddubs_i8   vpsignb + vpmaddubsw + vpmaddwd + vpaddd: 32 (int8 quads
+ *                into int32, the sign trick for signed x signed)
+ *
+ * Rates are G multiply-adds per second on one thread (best of the rounds).
+ * The int32 accumulators wrap; the checksum each loop prints (the sum of its
+ * final lanes, mod 2^32) is what tests/kernels/test_dot_peak.py checks
+ * against an exact model.  AVX2 only: built without -m flags (per-function
+ * target attributes), it reports and exits where the CPU lacks AVX2 or on
+ * another architecture.  VNNI (vpdpbusd) and AVX512_BF16 loops are not here:
+ * the machine this was written on has neither.
+ *
+ *   cc -O3 -std=c11 -D_POSIX_C_SOURCE=200112L benchmarks/c/dot_peak.c -o dot_peak
+ *   ./dot_peak [iterations]      (default 100000000)
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define NBUF 64 /* buffer entries of 2 vectors (64 bytes): 4 KiB, in L1 */
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+static int32_t buf[NBUF * 16] __attribute__((aligned(64)));
+static float fbuf[NBUF * 16] __attribute__((aligned(64))); /* normal floats: no assists */
+
+/* the row operands: four broadcast 32-bit patterns */
+static const uint32_t ROWS[4] = {0x00030002u, 0x7f81f009u, 0x10203040u, 0xf0e0d0c9u};
+
+#define TILE_SUM(acc, out)                                                              \
+    {                                                                                   \
+        __m256i s_ = acc[0];                                                            \
+        for (int k_ = 1; k_ < 8; k_++) s_ = _mm256_add_epi32(s_, acc[k_]);              \
+        int32_t l_[8];                                                                  \
+        _mm256_storeu_si256((__m256i *)l_, s_);                                         \
+        uint32_t t_ = 0;                                                                \
+        for (int k_ = 0; k_ < 8; k_++) t_ += (uint32_t)l_[k_];                          \
+        *(out) = t_;                                                                    \
+    }
+
+__attribute__((target("avx2,fma"), noinline)) static float fma_f32(long n) {
+    const float *p0 = fbuf;
+    __m256 c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm256_setzero_ps();
+    const __m256 b0 = _mm256_set1_ps(1.0f), b1 = _mm256_set1_ps(0.5f), b2 = _mm256_set1_ps(0.25f),
+                 b3 = _mm256_set1_ps(0.125f);
+    for (long i = 0; i < n; i++) {
+        const float *p = p0 + (i & (NBUF - 1)) * 16;
+        const __m256 x0 = _mm256_load_ps(p), x1 = _mm256_load_ps(p + 8);
+        c[0] = _mm256_fmadd_ps(x0, b0, c[0]);
+        c[1] = _mm256_fmadd_ps(x1, b0, c[1]);
+        c[2] = _mm256_fmadd_ps(x0, b1, c[2]);
+        c[3] = _mm256_fmadd_ps(x1, b1, c[3]);
+        c[4] = _mm256_fmadd_ps(x0, b2, c[4]);
+        c[5] = _mm256_fmadd_ps(x1, b2, c[5]);
+        c[6] = _mm256_fmadd_ps(x0, b3, c[6]);
+        c[7] = _mm256_fmadd_ps(x1, b3, c[7]);
+    }
+    __m256 s = c[0];
+    for (int k = 1; k < 8; k++) s = _mm256_add_ps(s, c[k]);
+    float l[8];
+    _mm256_storeu_ps(l, s);
+    return l[0] + l[1] + l[2] + l[3] + l[4] + l[5] + l[6] + l[7];
+}
+
+__attribute__((target("avx2"), noinline)) static void madd_i16(long n, uint32_t *sum) {
+    __m256i c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm256_setzero_si256();
+    __m256i b[4];
+    for (int r = 0; r < 4; r++) b[r] = _mm256_set1_epi32((int32_t)ROWS[r]);
+    for (long i = 0; i < n; i++) {
+        const __m256i *p = (const __m256i *)buf + (i & (NBUF - 1)) * 2;
+        const __m256i x0 = _mm256_load_si256(p), x1 = _mm256_load_si256(p + 1);
+        for (int r = 0; r < 4; r++) {
+            c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(x0, b[r]));
+            c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(x1, b[r]));
+        }
+    }
+    TILE_SUM(c, sum)
+}
+
+__attribute__((target("avx2"), noinline)) static void maddubs_i8(long n, uint32_t *sum) {
+    __m256i c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm256_setzero_si256();
+    __m256i q[4], qa[4];
+    for (int r = 0; r < 4; r++) {
+        q[r] = _mm256_set1_epi32((int32_t)ROWS[r]);
+        qa[r] = _mm256_abs_epi8(q[r]);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (long i = 0; i < n; i++) {
+        const __m256i *p = (const __m256i *)buf + (i & (NBUF - 1)) * 2;
+        const __m256i x0 = _mm256_load_si256(p), x1 = _mm256_load_si256(p + 1);
+        for (int r = 0; r < 4; r++) {
+            const __m256i d0 = _mm256_maddubs_epi16(qa[r], _mm256_sign_epi8(x0, q[r]));
+            const __m256i d1 = _mm256_maddubs_epi16(qa[r], _mm256_sign_epi8(x1, q[r]));
+            c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(d0, ones));
+            c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(d1, ones));
+        }
+    }
+    TILE_SUM(c, sum)
+}
+
+int main(int argc, char **argv) {
+    const long n = argc > 1 ? atol(argv[1]) : 100000000L;
+    const int rounds = argc > 2 ? atoi(argv[2]) : 5;
+    if (n < 1 || rounds < 1) {
+        fprintf(stderr, "usage: %s [iterations >= 1] [rounds >= 1]\n", argv[0]);
+        return 2;
+    }
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+        printf("dot_peak: this CPU has no AVX2 + FMA; nothing measured\n");
+        return 0;
+    }
+    /* int8 values in [-127, 127] (the storage's range: no -128) */
+    for (int k = 0; k < NBUF * 16; k++) fbuf[k] = 1.0f + 0.25f * (float)(k % 7);
+    for (int k = 0; k < NBUF * 16; k++) {
+        const uint32_t h = (uint32_t)k * 2654435761u;
+        int8_t b[4];
+        for (int j = 0; j < 4; j++) b[j] = (int8_t)((int)((h >> (8 * j)) % 255u) - 127);
+        buf[k] = (int32_t)((uint32_t)(uint8_t)b[0] | (uint32_t)(uint8_t)b[1] << 8 |
+                           (uint32_t)(uint8_t)b[2] << 16 | (uint32_t)(uint8_t)b[3] << 24);
+    }
+    double best[3] = {0, 0, 0};
+    uint32_t s16 = 0, s8 = 0;
+    float sf = 0;
+    for (int r = 0; r < rounds; r++) {
+        double t = now();
+        sf = fma_f32(n);
+        double dt = now() - t;
+        if (64.0 * n / dt > best[0]) best[0] = 64.0 * n / dt;
+        t = now();
+        madd_i16(n, &s16);
+        dt = now() - t;
+        if (128.0 * n / dt > best[1]) best[1] = 128.0 * n / dt;
+        t = now();
+        maddubs_i8(n, &s8);
+        dt = now() - t;
+        if (256.0 * n / dt > best[2]) best[2] = 256.0 * n / dt;
+    }
+    printf("iterations %ld, rounds %d, 1 thread (G multiply-adds/s, best)\n", n, rounds);
+    printf("fma_f32     %7.1f  1.00x  (sum %g)\n", best[0] / 1e9, (double)sf);
+    printf("madd_i16    %7.1f  %.2fx  checksum %u\n", best[1] / 1e9, best[1] / best[0], s16);
+    printf("maddubs_i8  %7.1f  %.2fx  checksum %u\n", best[2] / 1e9, best[2] / best[0], s8);
+    return 0;
+}
+#else
+int main(void) {
+    printf("dot_peak: x86-64 only; nothing measured\n");
+    return 0;
+}
+#endif
