@@ -80,8 +80,8 @@
         for (int r = 0; r < R; r++)                                                                \
             for (int v = 0; v < NV; v++) tot[r][v] = PKV_VZERO();                                  \
         PKV_PFS_BEGIN(ps)                                                                          \
-        for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {                                               \
-            const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;                              \
+        for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {                                             \
+            const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;                          \
             PKV_VEC acc[DS][R][NV];                                                                \
             for (int u = 0; u < DS; u++)                                                           \
                 for (int r = 0; r < R; r++)                                                        \
