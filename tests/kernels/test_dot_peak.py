@@ -54,12 +54,18 @@ def _expected(n):
     return t16 % 2**32, t8 % 2**32
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
-def test_dot_peak_probe_computes_what_it_claims(tmp_path):
+def _build(tmp_path, opt):
+    """The probe built into tmp_path at optimisation level `opt`."""
     exe = tmp_path / "dot_peak"
-    subprocess.run(["cc", "-O2", "-std=c11", "-D_POSIX_C_SOURCE=200112L",
+    subprocess.run(["cc", opt, "-std=c11", "-D_POSIX_C_SOURCE=200112L",
                     os.path.join(ROOT, "benchmarks", "c", "dot_peak.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
+    return exe
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
+def test_dot_peak_probe_computes_what_it_claims(tmp_path):
+    exe = _build(tmp_path, "-O2")
     n = 100_003  # not a multiple of the buffer's entries
     proc = subprocess.run([str(exe), str(n), "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -77,10 +83,7 @@ def test_dot_peak_probe_computes_what_it_claims(tmp_path):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
 def test_dot_peak_probe_rejects_bad_arguments(tmp_path):
-    exe = tmp_path / "dot_peak"
-    subprocess.run(["cc", "-O1", "-std=c11", "-D_POSIX_C_SOURCE=200112L",
-                    os.path.join(ROOT, "benchmarks", "c", "dot_peak.c"), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    exe = _build(tmp_path, "-O1")
     proc = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert proc.returncode == 2 and "usage" in proc.stderr
