@@ -35,11 +35,12 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
     const char *ksc = (const char *)a->k + a->scale_offset + (size_t)h0 * hscales;
     const char *vsc = (const char *)a->v + a->scale_offset + (size_t)h0 * hscales;
 #endif
+    /* acc is not cleared: a row's first P.V step (alpha 0) sets it without
+     * reading it, and rows that no tile reaches are cleared at the end */
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0;
     }
-    memset(acc, 0, sizeof(PKV_T) * (size_t)nq * d);
 
     /* held ranks map to slots: [0, n0) -> [a0, a1), [n0, ...) -> [b0, b1) */
     const int64_t n0 = sg.a1 - sg.a0;
@@ -181,4 +182,6 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
         }
     }
 #undef PKV_UNIT_SLICES
+    for (int i = 0; i < nq; i++)
+        if (m[i] == -INFINITY) memset(acc + (size_t)i * d, 0, sizeof(PKV_T) * (size_t)d);
 }

@@ -242,7 +242,9 @@ typedef struct {
 #endif
 
 /* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]
- * (with PKV_PV_FOLD, the weights times the chunk's group of V scales). */
+ * (with PKV_PV_FOLD, the weights times the chunk's group of V scales).  A row
+ * whose alpha is 0 is at its first tile: its acc is set, never read (it is
+ * not cleared before; tile_softmax's alpha is never 0 after a first tile). */
 #define PKV_PV_MK(NAME, R, NV, JS)                                                                 \
     static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
                                      const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
@@ -251,7 +253,8 @@ typedef struct {
         for (int r = 0; r < R; r++) {                                                              \
             const PKV_VEC al = PKV_VSET1(alpha[r]);                                                \
             for (int v = 0; v < NV; v++) {                                                         \
-                acc[0][r][v] = PKV_VMUL(PKV_VLOAD(y[r] + i + v * PKV_W), al);                      \
+                acc[0][r][v] = alpha[r] == 0 ? PKV_VZERO()                                         \
+                                             : PKV_VMUL(PKV_VLOAD(y[r] + i + v * PKV_W), al);      \
                 for (int u = 1; u < JS; u++) acc[u][r][v] = PKV_VZERO();                           \
             }                                                                                      \
         }                                                                                          \
@@ -347,7 +350,6 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
             al[a] = 0;
         }
     }
-    if (ngr * R > na) memset(spare, 0, sizeof(PKV_T) * (size_t)d);
 #if PKV_PV_FOLD
     /* pw: the weights the micro-kernels take, folded with the V scales of
      * group fg (refolded when a chunk starts a new group) */
@@ -389,7 +391,7 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
 #undef PKV_PV_WEIGHTS
     for (; i < d; i++) /* dimensions past the last whole vector */
         for (int r = 0; r < na; r++) {
-            PKV_T s = y[r][i] * al[r];
+            PKV_T s = al[r] == 0 ? 0 : y[r][i] * al[r];
             for (int u = 0; u < nr; u++)
                 for (int j = 0; j < runs[u].n; j++)
                     s += pr[r][runs[u].col + j] * PKV_KFN(vget)(runs + u, j, i, bs, d);
