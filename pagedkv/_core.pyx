@@ -80,7 +80,8 @@ class OutOfBlocksError(MemoryError):
 # SIMD selection and threads
 
 cdef int _simd_detected = pkv_detect_simd()
-_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon")  # indexed by PKV_SIMD_* (simd.h)
+# indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni")
 
 
 def simd_supported():
@@ -107,7 +108,7 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 
 def simd_backend():
-    """Name of the active SIMD path: 'scalar', 'avx2', 'avx512' or 'neon'."""
+    """Name of the active SIMD path: 'scalar', 'avx2', 'avx512', 'avx512vnni' or 'neon'."""
     return _SIMD_NAMES[_simd]
 
 
@@ -310,6 +311,15 @@ cdef class CacheCore:
     def kv_dtype(self):
         """How K/V are stored: 'float32', 'float64', 'bfloat16', 'float16' or 'int8'."""
         return _KV_NAMES[self.storage]
+
+    @property
+    def quantizes_queries(self):
+        """True when attention rounds the queries to int8 (a float32 scale per
+        32 values) to score int8 keys with an integer dot product: int8
+        storage, float32 compute, the "avx512vnni" path, block_size >= 16, no
+        RoPE (include/pagedkv/attn_dot.h)."""
+        return bool(pkv_quantizes_queries(self.storage, self.compute, _simd, self.block_size,
+                                          self.has_rope))
 
     @property
     def num_free_blocks(self):

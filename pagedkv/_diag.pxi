@@ -159,7 +159,8 @@ def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
 # ----------------------------------------------------------------------------
 # instruction peak (include/pagedkv/peak.h)
 
-_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64}
+_PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64,
+               "dpbusd": PKV_PEAK_DPBUSD}
 
 
 def _peak_args(kind, simd, threads):
@@ -206,8 +207,10 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     """Measured peak rate of an instruction on this machine, in lanes per second.
 
     kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
-    are built on (one multiply-add of one lane counts 1).  simd: the path
-    ("scalar", "avx2", "avx512", "neon"; None: the active one,
+    are built on (one multiply-add of one lane counts 1); "dpbusd", the
+    integer dot product of the "avx512vnni" path's int8 scores (vpdpbusd: 64
+    byte products per instruction, each counts 1).  simd: the path
+    ("scalar", "avx2", "avx512", "avx512vnni", "neon"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop
@@ -248,8 +251,9 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
 
 cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) except -1:
     """Seconds one run of the probe took; checks the lanes it counted and its
-    checksum: with a = 0.5, b = 1 every lane ends at exactly 2 after >= 256
-    rounds (2^-256 times any start is below half an ulp of 2)."""
+    checksum: with a = 0.5, b = 1 every FMA lane ends at exactly 2 after >= 256
+    rounds (2^-256 times any start is below half an ulp of 2); every dpbusd
+    int32 lane k (k < 192 per thread, 16 per chain) ends at k + 4 * iters."""
     import time
     cdef uint64_t lanes
     cdef double total = 0.0
@@ -257,7 +261,12 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     with nogil:
         lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
     dt = time.perf_counter() - t0
-    if total != 2.0 * per_round or lanes != <uint64_t>iters * per_round:
+    if k == PKV_PEAK_DPBUSD:
+        n32 = PKV_PEAK_CHAINS * 16
+        want = float(nt * (n32 * (n32 - 1) // 2 + n32 * 4 * iters))
+    else:
+        want = 2.0 * per_round
+    if total != want or lanes != <uint64_t>iters * per_round:
         raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
-                           f"{iters * per_round} lanes with checksum {2.0 * per_round}")
+                           f"{iters * per_round} lanes with checksum {want}")
     return max(dt, 1e-9)

@@ -246,6 +246,11 @@ class PagedKVCache(EvictionMethods):
                             "'float16' or 'int8'.")
     prefix_caching = property(lambda self: self._prefix is not None,
                               doc="Whether prefix caching is on.")
+    quantizes_queries = property(
+        lambda self: self._core.quantizes_queries,
+        doc="Whether attention rounds the queries to int8 (a float32 scale per 32 values) to "
+            "score int8 keys with an integer dot product (int8 storage, float32 compute, the "
+            "'avx512vnni' SIMD path, block_size >= 16, no RoPE).")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
                                doc="Bytes of one block: K and V of every layer.")
     last_attention_plan = property(

@@ -53,6 +53,20 @@ PKV_TARGET_BEGIN(PKV_AVX512_TARGET)
 #include "attn_instances.h"
 PKV_TARGET_END
 #include "attn_vocab_end.h"
+
+/* ---- AVX-512 + VNNI: AVX-512's kernels, but int8 keys scored with vpdpbusd
+ * on a quantized query (attn_dot.h), float32 compute; float64 compute keeps
+ * the exact float scores ------------------------------------------------- */
+#define PKV_T_F64 0
+#include "vocab_avx512.h"
+#define PKV_I8_DOT 1
+#define PKV_DOT_TAG _f32_avx512vnni
+PKV_TARGET_BEGIN(PKV_AVX512VNNI_TARGET)
+#include "attn_instances.h"
+PKV_TARGET_END
+#undef PKV_I8_DOT
+#undef PKV_DOT_TAG
+#include "attn_vocab_end.h"
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -75,10 +89,13 @@ typedef struct {
 } pkv_kernels;
 
 #define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
-/* the vector paths built for this architecture, as designated entries */
+/* the vector paths built for this architecture, as designated entries
+ * (AVX-512 + VNNI runs AVX-512's kernels, but for int8 keys in float32) */
 #if PKV_X86
-#define PKV_KERNELS_SIMD(st, ct) \
-    [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512)
+#define PKV_KERNELS_X86(st, ct, vnni)                                                             \
+    [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), \
+    [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni)
+#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx512)
 #elif PKV_ARM64
 #define PKV_KERNELS_SIMD(st, ct) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon)
 #else
@@ -96,9 +113,24 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
     [PKV_BF16][PKV_F64] = PKV_KERNELS_ALL(bf16, f64),
     [PKV_F16][PKV_F32] = PKV_KERNELS_ALL(f16, f32),
     [PKV_F16][PKV_F64] = PKV_KERNELS_ALL(f16, f64),
+#if PKV_X86
+    [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
+                         PKV_KERNELS_X86(i8, f32, avx512vnni)},
+#else
     [PKV_I8][PKV_F32] = PKV_KERNELS_ALL(i8, f32),
+#endif
     [PKV_I8][PKV_F64] = PKV_KERNELS_ALL(i8, f64),
 };
+
+/* 1 when the kernels of (storage, compute, simd) round the queries to int8 for
+ * a pool of block size bs, with or without RoPE: the integer scores of
+ * attn_dot.h, which attn_item.h takes where a block row holds a whole vector
+ * of keys and the keys are scored as stored (RoPE rotates them into float32
+ * first). */
+static inline int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope) {
+    return storage == PKV_I8 && compute == PKV_F32 && simd == PKV_SIMD_AVX512VNNI && bs >= 16 &&
+           !rope;
+}
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */
 static inline const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd) {

@@ -163,17 +163,28 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
     return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
 }
 
+/* The query rows quantized for integer scores (attn_dot.h): int8 values,
+ * whole groups of PKV_I8_GROUP per row, then a float32 scale and an int32
+ * starting sum per row and group. */
+static inline size_t pkv_qdot_ldq(int d) {
+    return (size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP * PKV_I8_GROUP;
+}
+static inline size_t pkv_qdot_bytes(int d) {
+    return (size_t)PKV_MAX_ROWS * (pkv_qdot_ldq(d) + 8 * ((size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP));
+}
+
 /* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,
  * query rows, accumulators, alpha, a tile's scores (PKV_MAX_ROWS rows of
- * pkv_tile_cols), and kbuf: a tile's keys rotated by RoPE, [d][tile cols],
- * which P.V reuses as its work space (a padding row of d values, then int8
- * V's folded weights: PKV_MAX_ROWS + 4 rows of tile cols; attn_tile.h). */
+ * pkv_tile_cols), the quantized query rows (int8 keys on an integer dot
+ * product), and kbuf: a tile's keys rotated by RoPE, [d][tile cols], which
+ * P.V reuses as its work space (a padding row of d values, then int8 V's
+ * folded weights: PKV_MAX_ROWS + 4 rows of tile cols; attn_tile.h). */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
     const size_t cols = (size_t)pkv_tile_cols(bs);
     const size_t rope = (size_t)d * cols;
     const size_t values = (size_t)(d + 15) / 16 * 16 + (size_t)(PKV_MAX_ROWS + 4) * cols;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
-           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) +
+           PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) + PKV_ALIGN_UP(pkv_qdot_bytes(d)) +
            PKV_ALIGN_UP((rope > values ? rope : values) * itemsize) + PKV_ALIGN;
 }

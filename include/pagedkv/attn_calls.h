@@ -27,7 +27,8 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
     /* the query token is token b of q: load_queries/store_out index tokens from t0 = b;
      * key chunks split the visible ranks [lo, held) (the window's blocks only) */
     PKV_KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, lo + vis * c / nchunk,
-                     lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+                     lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha,
+                     sc.qdot);
     if (nchunk == 1) {
         PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
     } else {
@@ -145,7 +146,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read */
     PKV_KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
-                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha);
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

@@ -43,6 +43,12 @@
 #define PKV_STORE_SCALED 0
 #define PKV_SCALED_DEFAULTED
 #endif
+/* 1: int8 keys scored with an integer dot product (attn_dot.h; AVX-512 +
+ * VNNI, float32 compute) */
+#ifndef PKV_I8_DOT
+#define PKV_I8_DOT 0
+#define PKV_DOT_DEFAULTED
+#endif
 
 #include "attn_tile.h"
 #include "attn_item.h"
@@ -51,4 +57,8 @@
 #ifdef PKV_SCALED_DEFAULTED
 #undef PKV_STORE_SCALED
 #undef PKV_SCALED_DEFAULTED
+#endif
+#ifdef PKV_DOT_DEFAULTED
+#undef PKV_I8_DOT
+#undef PKV_DOT_DEFAULTED
 #endif

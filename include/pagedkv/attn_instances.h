@@ -8,9 +8,17 @@
  * Adding a storage format: its load vocabulary (a PKV_LD_* macro in every
  * vocab_*.h, a scalar reader in convert.h), one block below, one line in
  * attention.h's table.
+ *
+ * With PKV_I8_DOT defined to 1 (and PKV_DOT_TAG, the name suffix of the
+ * instance) only the int8 kernels are instantiated, their keys scored with
+ * an integer dot product (attn_dot.h); everything else they call is the
+ * instance of PKV_TAG, included before (attention.h: AVX-512 + VNNI on
+ * AVX-512's float32 instance).
  */
 #define PKV_FN(name) PKV_CAT(name, PKV_TAG)
+#ifndef PKV_I8_DOT
 #include "attn_math.h"
+#endif
 
 /* PKV_W float32 scales (int8 storage; RoPE'd int8 keys) as the compute type */
 #if PKV_T_F64
@@ -19,17 +27,19 @@
 #define PKV_LDSC(p) PKV_VLOAD(p)
 #endif
 
-/* storage = the compute type */
-#define PKV_S PKV_T
-#define PKV_SLOAD(p) PKV_VLOAD(p)
-#define PKV_SGET(p) (*(p))
+/* PKV_CFN: the instance whose storage is the compute type; the int8
+ * kernels fold dequantized runs with its functions */
 #if PKV_T_F64
 #define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf64), PKV_TAG)
 #else
 #define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
 #endif
-/* PKV_CFN stays defined: the int8 kernels fold dequantized runs with this
- * instance's functions */
+
+#ifndef PKV_I8_DOT
+/* storage = the compute type */
+#define PKV_S PKV_T
+#define PKV_SLOAD(p) PKV_VLOAD(p)
+#define PKV_SGET(p) (*(p))
 #define PKV_KFN(name) PKV_CFN(name)
 #include "attn_impl.h"
 #undef PKV_KFN
@@ -69,6 +79,7 @@
 #undef PKV_SGET
 #undef PKV_SLOAD
 #undef PKV_S
+#endif /* !PKV_I8_DOT */
 
 /* int8 with a float32 scale per PKV_I8_GROUP values: PKV_SLOAD / PKV_SGET
  * read the raw integers, attn_impl.h applies the group scales */
@@ -76,7 +87,11 @@
 #define PKV_S int8_t
 #define PKV_SLOAD(p) PKV_LD_I8(p)
 #define PKV_SGET(p) ((PKV_T) * (p))
+#ifdef PKV_I8_DOT
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvi8), PKV_DOT_TAG)
+#else
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvi8), PKV_TAG)
+#endif
 #include "attn_impl.h"
 #undef PKV_KFN
 #undef PKV_SGET
@@ -87,6 +102,8 @@
 #undef PKV_LDSC
 
 /* the row-batch linear kernel (compute type only; dispatched by linear.h) */
+#ifndef PKV_I8_DOT
 #include "linear_impl.h"
+#endif
 
 #undef PKV_FN

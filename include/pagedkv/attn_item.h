@@ -20,7 +20,8 @@
 static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                                  const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
                                  int64_t rend, PKV_T *restrict acc, double *m, double *l,
-                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha) {
+                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
+                                 char *restrict qdot) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
@@ -41,6 +42,13 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
         m[i] = -INFINITY;
         l[i] = 0.0;
     }
+#if PKV_I8_DOT
+    /* the rows quantized once for the integer scores (keys scored as stored) */
+    PKV_KFN(qrows_t) qd = {0};
+    if (!a->rope && bs >= PKV_W) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
+#else
+    (void)qdot;
+#endif
 
     /* held ranks map to slots: [0, n0) -> [a0, a1), [n0, ...) -> [b0, b1) */
     const int64_t n0 = sg.a1 - sg.a0;
@@ -164,7 +172,12 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
                         kr.n = nk;
                         PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
                     } else if (bs >= PKV_W) {
+#if PKV_I8_DOT
+                        const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh);
+                        PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
+#else
                         PKV_KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
+#endif
                     } else {
                         for (int u = 0; u < cnt; u++)
                             PKV_KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs,

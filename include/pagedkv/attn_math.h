@@ -245,6 +245,7 @@ typedef struct {
     PKV_T *qbuf, *acc, *sbuf, *kbuf, *alpha;
     double *m, *l;
     int64_t *lim;
+    char *qdot; /* the query rows quantized (attn_dot.h) */
 } PKV_FN(scratch_t);
 
 static inline PKV_FN(scratch_t) PKV_FN(scratch)(const pkv_attn_args *a, int tid) {
@@ -258,6 +259,7 @@ static inline PKV_FN(scratch_t) PKV_FN(scratch)(const pkv_attn_args *a, int tid)
     sc.acc = (PKV_T *)p;          p += PKV_ALIGN_UP(sizeof(PKV_T) * nqd);
     sc.alpha = (PKV_T *)p;        p += PKV_ALIGN_UP(sizeof(PKV_T) * PKV_MAX_ROWS);
     sc.sbuf = (PKV_T *)p;         p += PKV_ALIGN_UP(sizeof(PKV_T) * PKV_MAX_ROWS * (size_t)pkv_tile_cols(a->bs));
+    sc.qdot = p;                  p += PKV_ALIGN_UP(pkv_qdot_bytes(a->d));
     sc.kbuf = (PKV_T *)p;
     return sc;
 }

@@ -133,7 +133,9 @@
     MK(pfx##_1xn, 1, NV, 2)             \
     MK(pfx##_1x1, 1, 1, 4)
 
+#if !PKV_I8_DOT /* the integer scores: attn_dot.h, below */
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
+#endif
 #undef PKV_SCORES_MK
 #undef PKV_SC_GROUP_PUT
 #undef PKV_SC_K
@@ -151,6 +153,13 @@ static inline void PKV_KFN(put_lanes)(PKV_T *restrict s, const pkv_kvec *e, PKV_
     }
 }
 
+#if PKV_I8_DOT
+/* int8 keys on an integer dot product: the query rows quantized
+ * (PKV_KFN(qrows_t)), their micro-kernels and tile_scores */
+#include "attn_dot.h"
+#define PKV_QROWS PKV_KFN(qrows_t)
+#else
+#define PKV_QROWS PKV_T
 /* Scores of rows[0, na) of q (one head, rows d apart) against the key
  * vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
  * group of two or three repeats its first row and drops the extra results:
@@ -195,6 +204,7 @@ static inline void PKV_KFN(tile_scores)(const PKV_T *restrict q, const int *rows
             for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
         }
 }
+#endif /* PKV_I8_DOT */
 
 /* Scores of one key at a time, for blocks narrower than a vector (bs < PKV_W):
  * key slot j of K^T kt is kt[i * stride + j]. */
@@ -460,8 +470,9 @@ static inline void PKV_KFN(rope_tile)(PKV_T *restrict kbuf, int ks, const PKV_KF
 /* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
  * long, stride >= PKV_W) into sh [na][ldc].  Key vectors are gathered across
  * runs so a register tile takes PKV_SC_NV of them even when a block holds
- * one vector's worth of keys. */
-static inline void PKV_KFN(score_runs)(const PKV_T *restrict qh, const int *rows, int na,
+ * one vector's worth of keys.  qh: the head's query rows (quantized for
+ * integer scores). */
+static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *rows, int na,
                                        const PKV_KFN(run_t) *runs, int cnt, size_t stride, int d,
                                        PKV_T *restrict sh, int ldc, pkv_pfs *ps) {
     pkv_kvec ents[PKV_MAX_KVECS];
@@ -507,3 +518,4 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
     }
 }
 #undef PKV_PV_FOLD
+#undef PKV_QROWS

@@ -32,6 +32,7 @@
 static inline double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads) {
     typedef double (*sum_fn)(const void *, size_t);
     sum_fn f = dtype ? (sum_fn)stream_sum_f64_scalar : (sum_fn)stream_sum_f32_scalar;
+    simd = pkv_simd_base(simd);
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) f = dtype ? (sum_fn)stream_sum_f64_avx512 : (sum_fn)stream_sum_f32_avx512;
     else if (simd == PKV_SIMD_AVX2) f = dtype ? (sum_fn)stream_sum_f64_avx2 : (sum_fn)stream_sum_f32_avx2;
@@ -118,6 +119,7 @@ PKV_XOR_BYTES_DEFINE(pkv_xor_bytes_avx512, __m512i, 64, _mm512_setzero_si512, _m
 typedef uint64_t (*pkv_xor_fn)(const char *, size_t);
 
 static inline pkv_xor_fn pkv_xor_bytes_for(int simd) {
+    simd = pkv_simd_base(simd);
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) return pkv_xor_bytes_avx512;
     if (simd == PKV_SIMD_AVX2) return pkv_xor_bytes_avx2;

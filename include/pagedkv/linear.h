@@ -21,6 +21,7 @@ typedef void (*pkv_linear_fn)(const void *x, int64_t M, const void *w, const voi
 /* The kernel of (compute type f64 = 0 / 1, SIMD path); the scalar one for a
  * path not built here. */
 static inline pkv_linear_fn pkv_linear_for(int f64, int simd) {
+    simd = pkv_simd_base(simd);
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) return f64 ? PKV_LINEAR_FN(f64, avx512) : PKV_LINEAR_FN(f32, avx512);
     if (simd == PKV_SIMD_AVX2) return f64 ? PKV_LINEAR_FN(f64, avx2) : PKV_LINEAR_FN(f32, avx2);

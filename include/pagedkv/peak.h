@@ -19,9 +19,12 @@
  * which keeps the values normal and gives the tests an exact checksum.
  *
  * Kinds (PKV_PEAK_*): the instruction measured; lanes = element operations
- * (one multiply-add of one lane counts 1).  A later dot-product instruction
- * (e.g. AVX512_BF16 vdpbf16ps, VNNI vpdpbusd) is a new kind with its own
- * loops and lane count; callers select by kind.
+ * (one multiply-add of one lane counts 1).  PKV_PEAK_DPBUSD is the integer
+ * dot product the int8 scores of the AVX-512 + VNNI path are built on
+ * (vpdpbusd: 64 products of unsigned by signed bytes, summed four at a time
+ * into 16 int32 lanes); its lanes are the products, so 64 per instruction.
+ * Its chains start at lane k = k and add 4 * 1 * 1 each round (bytes 1 and
+ * 1), an exact checksum too.  Callers select by kind.
  *
  * Paths: x86-64 scalar / AVX2+FMA / AVX-512 through per-function target
  * attributes (no -m flags; the caller only runs a path pkv_simd_supported()
@@ -37,7 +40,8 @@
 enum {
     PKV_PEAK_FMA_F32 = 0,
     PKV_PEAK_FMA_F64 = 1,
-    PKV_NUM_PEAK_KINDS = 2
+    PKV_PEAK_DPBUSD = 2, /* AVX-512 + VNNI only */
+    PKV_NUM_PEAK_KINDS = 3
 };
 
 #define PKV_PEAK_CHAINS 12
@@ -112,6 +116,39 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DE
 PKV_PEAK_DEFINE_X86(avx2, "avx2,fma", __m256, __m256d, 8, _mm256)
 PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
 #undef PKV_PEAK_DEFINE_X86
+
+/* vpdpbusd chains: c = c + dot4(a, b) per int32 lane, a and b all bytes 1
+ * (a and b of the signature are not used: the checksum is exact anyway);
+ * the chains as in PKV_PEAK_DEFINE, the sum in int64 */
+#define PKV_PK_DP(c) c = _mm512_dpbusd_epi32(c, ones, ones)
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+PKV_PEAK_FN uint64_t pkv_peak_dpbusd_avx512vnni(int64_t iters, double a, double b, double *sum) {
+    (void)a;
+    (void)b;
+    int32_t buf[PKV_PEAK_CHAINS * 16];
+    for (int k = 0; k < PKV_PEAK_CHAINS * 16; k++) buf[k] = k;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i c0 = _mm512_loadu_si512(buf + 0), c1 = _mm512_loadu_si512(buf + 16),
+            c2 = _mm512_loadu_si512(buf + 32), c3 = _mm512_loadu_si512(buf + 48),
+            c4 = _mm512_loadu_si512(buf + 64), c5 = _mm512_loadu_si512(buf + 80),
+            c6 = _mm512_loadu_si512(buf + 96), c7 = _mm512_loadu_si512(buf + 112),
+            c8 = _mm512_loadu_si512(buf + 128), c9 = _mm512_loadu_si512(buf + 144),
+            c10 = _mm512_loadu_si512(buf + 160), c11 = _mm512_loadu_si512(buf + 176);
+    for (int64_t i = 0; i < iters; i++) {
+        PKV_PK_DP(c0); PKV_PK_DP(c1); PKV_PK_DP(c2); PKV_PK_DP(c3);
+        PKV_PK_DP(c4); PKV_PK_DP(c5); PKV_PK_DP(c6); PKV_PK_DP(c7);
+        PKV_PK_DP(c8); PKV_PK_DP(c9); PKV_PK_DP(c10); PKV_PK_DP(c11);
+    }
+    const __m512i c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    int64_t s = 0;
+    for (int j = 0; j < PKV_PEAK_CHAINS; j++) {
+        _mm512_storeu_si512(buf, c[j]);
+        for (int k = 0; k < 16; k++) s += buf[k];
+    }
+    *sum = (double)s;
+    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 64 : 0;
+}
+#undef PKV_PK_DP
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -137,7 +174,11 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_neon, float64x2_t, double, 2, vdupq_n_f64, vld1
  * is the caller's check (pkv_simd_supported). */
 static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     const int f64 = kind == PKV_PEAK_FMA_F64;
+#if PKV_X86
+    if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVX512VNNI) return pkv_peak_dpbusd_avx512vnni;
+#endif
     if (kind != PKV_PEAK_FMA_F32 && kind != PKV_PEAK_FMA_F64) return 0;
+    simd = pkv_simd_base(simd);
     if (simd == PKV_SIMD_SCALAR) return f64 ? pkv_peak_fma_f64_scalar : pkv_peak_fma_f32_scalar;
 #if PKV_X86
     if (simd == PKV_SIMD_AVX2) return f64 ? pkv_peak_fma_f64_avx2 : pkv_peak_fma_f32_avx2;
@@ -153,8 +194,9 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
  * pkv_peak_fn_for has no loop for it. */
 static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
+    if (kind == PKV_PEAK_DPBUSD) return 64;
     const int f64 = kind == PKV_PEAK_FMA_F64;
-    switch (simd) {
+    switch (pkv_simd_base(simd)) {
     case PKV_SIMD_AVX2: return f64 ? 4 : 8;
     case PKV_SIMD_AVX512: return f64 ? 8 : 16;
     case PKV_SIMD_NEON: return f64 ? 2 : 4;

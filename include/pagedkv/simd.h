@@ -4,10 +4,12 @@
  * nothing here depends on the flags the extension was built with, so one
  * binary runs on any CPU of its architecture and picks its path at import.
  *
- * x86-64: scalar, AVX2+FMA, AVX-512, compiled with per-function target
- * pragmas.  Detection asks cpuid for the instructions *and* xgetbv for the OS
- * support of the wide registers (a CPU can report AVX-512 while the kernel
- * does not save zmm state).
+ * x86-64: scalar, AVX2+FMA, AVX-512, and AVX-512 with VNNI (the same
+ * kernels, except that int8 keys are scored with the integer dot product
+ * vpdpbusd: attn_dot.h), compiled with per-function target pragmas.
+ * Detection asks cpuid for the instructions *and* xgetbv for the OS support
+ * of the wide registers (a CPU can report AVX-512 while the kernel does not
+ * save zmm state).
  *
  * aarch64: scalar and NEON (Advanced SIMD, 128-bit, with FMA and f64 lanes).
  * Advanced SIMD is part of the base AArch64 architecture, so its kernels
@@ -22,7 +24,8 @@ enum {
     PKV_SIMD_AVX2 = 1,
     PKV_SIMD_AVX512 = 2,
     PKV_SIMD_NEON = 3,
-    PKV_NUM_SIMD = 4
+    PKV_SIMD_AVX512VNNI = 4, /* AVX-512 + AVX512_VNNI */
+    PKV_NUM_SIMD = 5
 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -51,8 +54,9 @@ static inline int pkv_detect_simd(void) {
     if (!avx2) return PKV_SIMD_SCALAR;
     const int avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1;
     const int avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    const int vnni = (c >> 11) & 1;                               /* AVX512_VNNI */
     if (avx512f && avx512dq && avx512bw && avx512vl && (xcr0 & 0xE0) == 0xE0)
-        return PKV_SIMD_AVX512;                                   /* opmask + zmm state */
+        return vnni ? PKV_SIMD_AVX512VNNI : PKV_SIMD_AVX512;      /* opmask + zmm state */
     return PKV_SIMD_AVX2;
 }
 
@@ -78,9 +82,17 @@ static inline int pkv_detect_simd(void) { return PKV_SIMD_SCALAR; }
 #endif
 
 /* 1 when path `simd` runs here and was built: scalar always, plus the
- * detected path and (x86) the narrower AVX2 below AVX-512. */
+ * detected path and (x86) the narrower ones below it: AVX2 below AVX-512,
+ * AVX-512 below AVX-512 + VNNI. */
 static inline int pkv_simd_supported(int simd) {
     const int best = pkv_detect_simd();
     return simd == PKV_SIMD_SCALAR || simd == best ||
-           (simd == PKV_SIMD_AVX2 && best == PKV_SIMD_AVX512);
+           (simd == PKV_SIMD_AVX2 && (best == PKV_SIMD_AVX512 || best == PKV_SIMD_AVX512VNNI)) ||
+           (simd == PKV_SIMD_AVX512 && best == PKV_SIMD_AVX512VNNI);
+}
+
+/* The path whose kernels path `simd` shares outside the int8 scores (the
+ * read, linear and peak helpers of AVX-512 + VNNI are AVX-512's). */
+static inline int pkv_simd_base(int simd) {
+    return simd == PKV_SIMD_AVX512VNNI ? PKV_SIMD_AVX512 : simd;
 }

@@ -14,6 +14,8 @@
 #include "vocab_x86.h"
 
 #define PKV_AVX512_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c"
+/* AVX-512 + VNNI (attention.h): the int8 scores' vpdpbusd */
+#define PKV_AVX512VNNI_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni"
 
 #if PKV_T_F64
 #define PKV_T double

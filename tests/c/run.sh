@@ -33,6 +33,7 @@ if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && grep
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo \
     && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
     require+=(--require avx512)
+    if grep -qw avx512_vnni /proc/cpuinfo; then require+=(--require avx512vnni); fi
 fi
 echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"

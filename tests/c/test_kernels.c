@@ -15,7 +15,10 @@
  *
  * Tolerances (as tests/reference.py): |out - ref| <= rtol * |ref| +
  * rtol * max|v|, rtol 1e-5 for f32 and 1e-12 for f64; the reference runs
- * in double.
+ * in double.  The AVX-512 + VNNI path scores int8 keys (float32 compute,
+ * no RoPE, blocks of at least 16 keys) against the query quantized per group
+ * of 32 dimensions (attn_dot.h): its reference replays that quantization,
+ * to the same tolerance.
  *
  * Usage: test_kernels [--trials N] [--seed S] [--require PATH]...
  * Exit status 0 when every check passed and every required path ran.
@@ -31,7 +34,7 @@
 #include "pagedkv/attention.h"
 #include "pagedkv/linear.h"
 
-static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon"};
+static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni"};
 
 /* ---- reference attention -------------------------------------------------- */
 
@@ -66,11 +69,28 @@ typedef struct {
     double *sinks; /* [hq] */
 } opts_t;
 
+/* A float32 query vector as the integer-dot kernels see it (attn_dot.h):
+ * scaled in float32, then per group of 32 dimensions rounded to int8 steps
+ * of max |x| / 127; qv becomes the quantized values times their scales. */
+static void quantize_query(double *qv, int d, double scale) {
+    for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {
+        const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;
+        float amax = 0.0f;
+        for (int i = i0; i < i1; i++) {
+            qv[i] = (double)((float)qv[i] * (float)scale);
+            if (fabsf((float)qv[i]) > amax) amax = fabsf((float)qv[i]);
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, qs = amax / 127.0f;
+        for (int i = i0; i < i1; i++) qv[i] = (double)nearbyintf((float)qv[i] * inv) * (double)qs;
+    }
+}
+
 /* out [hq][d] for query q [hq][d] (at element qoff) of sequence s at rank
  * lim (sees ranks 0..lim, or (lim - window, lim]) with keys k from ref_keys;
- * *vmax = max |v| over what it reads */
+ * *vmax = max |v| over what it reads.  quant: the query as quantize_query
+ * leaves it (then already scaled). */
 static void ref_one(const config *c, int s, int layer, const double *k, const void *q, size_t qoff,
-                    int64_t lim, double scale, const opts_t *o, double *out, double *vmax) {
+                    int64_t lim, double scale, const opts_t *o, int quant, double *out, double *vmax) {
     const int d = c->d, gsz = c->hq / c->hkv;
     const size_t tok = (size_t)c->hkv * d, base = (size_t)layer * held_of(c, s) * tok;
     double *qv = malloc(sizeof(double) * d);
@@ -79,13 +99,14 @@ static void ref_one(const config *c, int s, int layer, const double *k, const vo
         const int kh = h / gsz;
         for (int j = 0; j < d; j++) qv[j] = get(q, qoff + (size_t)h * d + j, c->dt);
         if (c->rope_half) ref_rope(c, qv, lim);
+        if (quant) quantize_query(qv, d, scale);
         double mx = -INFINITY;
         const int64_t lo = o->window > 0 && lim - o->window + 1 > 0 ? lim - o->window + 1 : 0;
         for (int64_t r = lo; r <= lim; r++) {
             const double *kv = k + (size_t)r * tok + (size_t)kh * d;
             double sc = 0;
             for (int j = 0; j < d; j++) sc += qv[j] * kv[j];
-            p[r] = sc * scale;
+            p[r] = quant ? sc : sc * scale;
             if (o->softcap > 0) p[r] = o->softcap * tanh(p[r] / o->softcap);
             if (p[r] > mx) mx = p[r];
         }
@@ -135,6 +156,7 @@ typedef struct {
     long cases[PKV_NUM_SIMD];
     long threaded, split; /* decode calls that ran on 2 threads; that split keys */
     double worst[PKV_NUM_SIMD][NPAIRS]; /* per (storage, compute): worst error / bound */
+    long pair_cases[PKV_NUM_SIMD][NPAIRS];
     long cases16[PKV_NUM_SIMD];         /* 16-bit q/out calls checked bit for bit */
 } tally;
 
@@ -229,14 +251,20 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     for (int h = 0; h < c->hq; h++) sinks[h] = 2 * rnd_normal();
     if (rnd_int(0, 1)) o.sinks = sinks;
 
-    /* references */
+    /* references; [1]: the quantized query, for the paths that score int8 keys
+     * with an integer dot product (attn_dot.h: float32 compute, no RoPE,
+     * blocks of at least one AVX-512 vector of keys) */
+    const int qdot = pkv_quantizes_queries(c->st, dt, PKV_SIMD_AVX512VNNI, c->bs, c->rope_half);
     void *qd = xalloc((size_t)c->nseq * row * c->item);
     for (size_t i = 0; i < (size_t)c->nseq * row; i++) put(qd, i, dt, rnd_normal());
-    double *refd = malloc(sizeof(double) * (size_t)c->nseq * row);
+    double *refd[2] = {malloc(sizeof(double) * (size_t)c->nseq * row),
+                       malloc(sizeof(double) * (size_t)c->nseq * row)};
     double vmaxd = 0;
     for (int s = 0; s < c->nseq; s++) {
         double *k = ref_keys(c, s, layer);
-        ref_one(c, s, layer, k, qd, (size_t)s * row, held_of(c, s) - 1, scale, &o, refd + (size_t)s * row, &vmaxd);
+        for (int qz = 0; qz <= qdot; qz++)
+            ref_one(c, s, layer, k, qd, (size_t)s * row, held_of(c, s) - 1, scale, &o, qz,
+                    refd[qz] + (size_t)s * row, &vmaxd);
         free(k);
     }
     const int ps = rnd_int(0, c->nseq - 1); /* prefill: one sequence */
@@ -245,11 +273,13 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     const int64_t nq = rnd_int(1, held < max_nq ? (int)held : max_nq);
     void *qp = xalloc((size_t)nq * row * c->item);
     for (size_t i = 0; i < (size_t)nq * row; i++) put(qp, i, dt, rnd_normal());
-    double *refp = malloc(sizeof(double) * (size_t)nq * row);
+    double *refp[2] = {malloc(sizeof(double) * (size_t)nq * row), malloc(sizeof(double) * (size_t)nq * row)};
     double vmaxp = 0;
     double *kp = ref_keys(c, ps, layer);
     for (int64_t i = 0; i < nq; i++)
-        ref_one(c, ps, layer, kp, qp, (size_t)i * row, held - nq + i, scale, &o, refp + (size_t)i * row, &vmaxp);
+        for (int qz = 0; qz <= qdot; qz++)
+            ref_one(c, ps, layer, kp, qp, (size_t)i * row, held - nq + i, scale, &o, qz,
+                    refp[qz] + (size_t)i * row, &vmaxp);
 
     free(kp);
     const size_t stride = pkv_scratch_bytes(c->bs, d, c->item);
@@ -263,6 +293,9 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
         const pkv_kernels *kern = pkv_kernels_for(c->st, dt, simd);
         if (!pkv_simd_supported(simd) || !kern) continue;
+        const int base = pkv_simd_base(simd);
+        if (base != simd && kern->decode == pkv_kernels_for(c->st, dt, base)->decode) continue;
+        const int qz = qdot && simd == PKV_SIMD_AVX512VNNI;
         for (int nt = 1; nt <= max_threads; nt++) {
             pkv_attn_args a;
             fill_args(c, &a, layer, qd, out, scale, nt, scratch, stride, partial, partial_slots, &rope);
@@ -274,7 +307,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
             a.plan_out = plan;
             memset(out, 0xFF, (size_t)c->nseq * row * c->item);
             kern->decode(&a);
-            double w = compare(c, out, 0, refd, (size_t)c->nseq * row, vmaxd);
+            double w = compare(c, out, 0, refd[qz], (size_t)c->nseq * row, vmaxd);
             CHECK(isfinite(w), "decode %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nseq=%d rope=%d split=%lld "
                   "window=%lld softcap=%g sinks=%d",
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, c->nseq,
@@ -295,13 +328,14 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
             a.nq = nq;
             memset(out, 0xFF, (size_t)nq * row * c->item);
             kern->prefill(&a);
-            w = compare(c, out, 0, refp, (size_t)nq * row, vmaxp);
+            w = compare(c, out, 0, refp[qz], (size_t)nq * row, vmaxp);
             CHECK(isfinite(w), "prefill %s %s/%s threads=%d bs=%d d=%d hkv=%d hq=%d nq=%lld held=%lld rope=%d "
                   "window=%lld softcap=%g sinks=%d",
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, (long long)nq,
                   (long long)held, c->rope_half, (long long)o.window, o.softcap, o.sinks != NULL);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
             t->cases[simd] += 2;
+            t->pair_cases[simd][pair] += 2;
             if (dt == PKV_F32 && nt == 1) {
                 check_qo16(c, kern, &a, simd, PKV_BF16);
                 check_qo16(c, kern, &a, simd, PKV_F16);
@@ -311,9 +345,11 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     }
     free(sinks);
     free(qd);
-    free(refd);
+    free(refd[0]);
+    free(refd[1]);
     free(qp);
-    free(refp);
+    free(refp[0]);
+    free(refp[1]);
     free(scratch);
     free(partial);
     free(out);
@@ -492,6 +528,7 @@ int main(int argc, char **argv) {
             if (pkv_simd_supported(simd) && exp_fn(simd, dt)) check_exp(simd, dt);
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++) {
         if (!pkv_simd_supported(simd) || !pkv_kernels_for(PKV_F32, PKV_F32, simd)) continue;
+        if (pkv_simd_base(simd) != simd) continue; /* the same linear kernel */
         const long n = check_linear(simd, 0, trials) + check_linear(simd, 1, trials);
         printf("  %-6s %5ld linear cases (f32, f64)\n", simd_names[simd], n);
     }
@@ -513,9 +550,11 @@ int main(int argc, char **argv) {
         ran_any = 1;
         printf("  %-6s %5ld attention cases; worst error / tolerance per storage/compute:",
                simd_names[simd], t.cases[simd]);
-        for (int pair = 0; pair < NPAIRS; pair++)
-            printf("%s %s/%s %.3f", pair % 3 ? "," : "\n        ", dtype_names[pairs[pair][0]],
-                   dtype_names[pairs[pair][1]], t.worst[simd][pair]);
+        for (int pair = 0, k = 0; pair < NPAIRS; pair++)
+            if (t.pair_cases[simd][pair])
+                printf("%s %s/%s %.3f", k++ % 3 ? "," : "\n        ", dtype_names[pairs[pair][0]],
+                       dtype_names[pairs[pair][1]], t.worst[simd][pair]);
+        if (pkv_simd_base(simd) != simd) printf(" (its other kernels are %s's)", simd_names[pkv_simd_base(simd)]);
         printf("\n         %ld calls with bf16/f16 queries and output: equal to the f32 result "
                "rounded\n", t.cases16[simd]);
     }

@@ -16,7 +16,8 @@ import pytest
 
 import pagedkv
 from reference import (assert_attention_close, assert_unchanged, build_random_cache, math_scale,
-                       mid_block_length, random_tokens, ref_attention_options, snapshot)
+                       mid_block_length, query_as_scored, random_tokens, ref_attention_options,
+                       snapshot)
 from test_simd_paths import SUPPORTED, run_script
 from reference import rope_rotate
 
@@ -65,14 +66,16 @@ def check_options(seed, cases):
         out = cache.attend_batch(sids, q, scale=scale, **opts)
         for b, sid in enumerate(sids):
             k, v = stored[sid]
-            exp = ref_attention_options(q[b:b + 1], k, v, scale, len(k) - 1, **opts)
+            qs, sc = query_as_scored(cache, q[b:b + 1], scale)
+            exp = ref_attention_options(qs, k, v, sc, len(k) - 1, **opts)
             assert_attention_close(out[b:b + 1], exp, dtype, v, err_msg="decode " + text)
         for sid in sids:
             k, v = stored[sid]
             for n in {1, int(rng.integers(1, min(len(k), 80) + 1))}:
                 qp = random_tokens(rng, n, hq, d, dtype)
                 outp = cache.attend(sid, qp, scale=scale, **opts)
-                exp = ref_attention_options(qp, k, v, scale, len(k) - n, **opts)
+                qs, sc = query_as_scored(cache, qp, scale)
+                exp = ref_attention_options(qs, k, v, sc, len(k) - n, **opts)
                 assert_attention_close(outp, exp, dtype, v, err_msg=f"prefill n={n} " + text)
 
 
@@ -96,7 +99,8 @@ def check_split_decode(seed):
                     q = random_tokens(rng, 1, 8, 128, dtype)
                     out = cache.attend_batch([sid], q, **opts)
                     splits += cache.last_attention_plan[2] > 1
-                    exp = ref_attention_options(q, k, v, math_scale(128), len(k) - 1, **opts)
+                    qs, sc = query_as_scored(cache, q, math_scale(128))
+                    exp = ref_attention_options(qs, k, v, sc, len(k) - 1, **opts)
                     assert_attention_close(out, exp, dtype, v, err_msg=f"split {dtype} {kv} {opts}")
     finally:
         pagedkv.set_num_threads(old)
@@ -162,7 +166,8 @@ def test_blocks_before_the_window_are_not_read(kv_dtype):
     out = cache.attend(sid, q, window=window)
     assert np.isfinite(out).all()
     kf, vf = np.nan_to_num(ks), np.nan_to_num(vs)
-    exp = ref_attention_options(q, kf, vf, math_scale(d), total - n, window=window)
+    qs, sc = query_as_scored(cache, q, math_scale(d))
+    exp = ref_attention_options(qs, kf, vf, sc, total - n, window=window)
     assert_attention_close(out, exp, "float32", vf[first_lo:])
     outd = cache.attend_batch([sid], q[-1:], window=window)
     assert np.isfinite(outd).all()

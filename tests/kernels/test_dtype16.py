@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import pagedkv
-from reference import ref_attention, ref_int8, ref_round_float, snapshot, assert_unchanged
+from reference import (assert_unchanged, query_as_scored, ref_attention, ref_int8, ref_round_float,
+                       snapshot)
 from test_simd_paths import SUPPORTED, run_script
 
 try:
@@ -195,8 +196,8 @@ def _check_kernels(rng, dtype, raw16, kv_dtype, count):
         o16 = from16(c16.attend(sids16[0], to16(q, dtype, raw16)), dtype)
         o32 = c32.attend(sids32[0], q.astype(np.float32)).astype(np.float64)
         np.testing.assert_array_equal(o16, ref_round_float(o32, dtype), err_msg=what)
-        ref = ref_attention(q, stored(k, kv_dtype), stored(v, kv_dtype), 1 / np.sqrt(d),
-                            length - n)
+        qs, sc = query_as_scored(c16, q, 1 / np.sqrt(d))
+        ref = ref_attention(qs, stored(k, kv_dtype), stored(v, kv_dtype), sc, length - n)
         vmax = np.abs(stored(v, kv_dtype)).max()
         np.testing.assert_allclose(o16, ref, rtol=OUT_RTOL[dtype] + 1e-5, atol=1e-5 * vmax,
                                    err_msg=what)

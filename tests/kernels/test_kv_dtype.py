@@ -21,7 +21,8 @@ import pytest
 
 import pagedkv
 from reference import (KV_DTYPES, KV_TOL, KV_TOL_OUTLIER, assert_attention_close, build_random_cache, math_scale,
-                       random_tokens, ref_attention, ref_stored, snapshot, assert_unchanged)
+                       query_as_scored, random_tokens, ref_attention, ref_stored, snapshot,
+                       assert_unchanged)
 from test_simd_paths import SUPPORTED, run_script
 from reference import rope_rotate
 
@@ -214,11 +215,13 @@ def _check_kernels(rng, kv_dtype, dtype, case):
         kg, vg = cache.gather(sid)
         np.testing.assert_array_equal(kg, ref_stored(m.k[0], kv_dtype, dtype))
         np.testing.assert_array_equal(vg, ref_stored(m.v[0], kv_dtype, dtype))
-        exp = ref_attention(q[b:b + 1], kg, vg, math_scale(d), len(m) - 1)
+        qs, sc = query_as_scored(cache, q[b:b + 1], math_scale(d))
+        exp = ref_attention(qs, kg, vg, sc, len(m) - 1)
         assert_attention_close(out[b:b + 1], exp, dtype, vg)
         n = min(len(m), 40)
         qp = random_tokens(rng, n, hq, d, dtype)
-        exp = ref_attention(qp, kg, vg, math_scale(d), len(m) - n)
+        qs, sc = query_as_scored(cache, qp, math_scale(d))
+        exp = ref_attention(qs, kg, vg, sc, len(m) - n)
         assert_attention_close(cache.attend(sid, qp), exp, dtype, vg)
 
 
@@ -239,7 +242,8 @@ def _keys(rng, length, hkv, d, outliers):
 @pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
 def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
     """max |out - exact| / max |exact| within the storage's bound (decode and prefill rows), and
-    no worse than the same attention computed in float64 on the stored values."""
+    no worse than the same attention computed in float64 on the stored values (with the query as
+    the kernels score it: rounded, where the cache quantizes queries)."""
     bs, hkv, ratio, d, length = 16, 2, 4, 128, 500
     c = _cache(kv_dtype, dtype, num_blocks=40, block_size=bs, hkv=hkv, d=d)
     sid = c.add_sequence()
@@ -253,9 +257,45 @@ def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
     assert err <= (KV_TOL_OUTLIER if outliers else KV_TOL)[kv_dtype], err
     assert err > 0  # the storage really rounds (or the test would not be testing it)
     kg, vg = c.gather(sid)
-    storage_only = ref_attention(q, kg, vg, math_scale(d), length - 32)
+    qs, sc = query_as_scored(c, q.astype(dtype), math_scale(d))
+    storage_only = ref_attention(qs, kg, vg, sc, length - 32)
     floor = np.abs(storage_only - exact).max() / np.abs(exact).max()
     assert err <= floor + 10 * KV_TOL[dtype], (err, floor)
+
+
+QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer dot product or not
+    ("int8", "float32", 16, False), ("int8", "float32", 64, False), ("int8", "float32", 8, False),
+    ("int8", "float32", 16, True), ("int8", "float64", 16, False), ("bfloat16", "float32", 16, False),
+]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,bs,rope", QUANTIZE_CASES)
+def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, rope):
+    """cache.quantizes_queries is True exactly on the avx512vnni path for int8 keys in float32
+    (blocks of >= 16 keys, no RoPE); then the output matches the reference with the rounded query
+    and not the one with the query as given (the difference is far beyond the tolerance, so the
+    check can tell), otherwise the reverse."""
+    c = _cache(kv_dtype, dtype, num_blocks=40, block_size=bs, hkv=2, d=96,
+               rope=pagedkv.RoPE(10000.0) if rope else None)
+    want = (pagedkv.simd_backend() == "avx512vnni" and kv_dtype == "int8" and dtype == "float32"
+            and bs >= 16 and not rope)
+    assert c.quantizes_queries is want
+    if rope:
+        return  # the reference would need the rotation; the claim above is what this case checks
+    sid = c.add_sequence()
+    c.append(sid, random_tokens(rng, 300, 2, 96, dtype), random_tokens(rng, 300, 2, 96, dtype))
+    kg, vg = c.gather(sid)
+    q = random_tokens(rng, 5, 8, 96, dtype)
+    out = c.attend(sid, q)
+    plain = ref_attention(q, kg, vg, math_scale(96), 295)
+    qs, sc = query_as_scored(c, q, math_scale(96))
+    rounded = ref_attention(qs, kg, vg, sc, 295)
+    if want:
+        assert_attention_close(out, rounded, dtype, vg)
+        with pytest.raises(AssertionError):
+            assert_attention_close(out, plain, dtype, vg)
+    else:
+        assert_attention_close(out, plain, dtype, vg)
 
 
 # ---------------------------------------------------------------------------

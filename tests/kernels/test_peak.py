@@ -11,7 +11,8 @@ from pagedkv.benchmarks.decode import _parse_cache_size, l2_cache_bytes, peak_ki
 KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
 # lanes per register of each path: (f32, f64)
-WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2)}
+WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
+         "avx512vnni": (16, 8)}  # its FMA loops are AVX-512's
 PATHS = pagedkv.simd_supported()
 
 
@@ -60,6 +61,26 @@ def test_default_path_is_the_active_one():
     active = pagedkv.simd_backend()
     for kind in KINDS:
         assert _fma_probe(kind, iters=4)[0] == 4 * CHAINS * _width(kind, active)
+
+
+@pytest.mark.skipif("avx512vnni" not in PATHS, reason="the CPU lacks AVX512_VNNI")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dpbusd_probe_counts_its_products(threads):
+    """vpdpbusd chains: 64 byte products per instruction, 12 chains; int32 lane k (16 per
+    chain) starts at k and gains 4 * 1 * 1 a round, so the lanes sum to an exact checksum."""
+    for iters in (0, 1, 2, 17):
+        lanes, total = _fma_probe("dpbusd", simd="avx512vnni", iters=iters, threads=threads)
+        assert lanes == threads * CHAINS * 64 * iters
+        assert total == threads * sum(k + 4 * iters for k in range(CHAINS * 16))
+    rate = instruction_peak("dpbusd", threads=1, seconds=0.005, repeats=3)
+    assert math.isfinite(rate) and rate > 0
+
+
+def test_dpbusd_probe_only_on_the_vnni_path():
+    for simd in PATHS:
+        if simd != "avx512vnni":
+            with pytest.raises(ValueError, match="no dpbusd probe"):
+                instruction_peak("dpbusd", simd=simd)
 
 
 def test_bad_arguments_raise_value_error():

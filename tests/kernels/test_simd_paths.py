@@ -38,7 +38,9 @@ if {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLA
     SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
 if platform.machine().lower() in ("aarch64", "arm64"):
     SUPPORTED.append("neon")  # Advanced SIMD: part of every AArch64 CPU
-UNSUPPORTED = [name for name in ("avx2", "avx512", "neon") if name not in SUPPORTED]
+if "avx512" in SUPPORTED and "avx512_vnni" in FLAGS:
+    SUPPORTED.append("avx512vnni")  # AVX-512 with int8 keys scored by vpdpbusd
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni") if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
     """

@@ -1,0 +1,251 @@
+/* pagedkv/attn_dot.h -- int8 keys scored with an integer dot product: the
+ * scores of the AVX-512 + VNNI path (vpdpbusd), float32 compute.  Included
+ * by attn_tile.h in place of its float score micro-kernels when
+ * PKV_I8_DOT is 1 (attention.h instantiates that once: int8 storage,
+ * float32 compute, AVX-512 + VNNI); a template like attn_tile.h, no include
+ * guard.
+ *
+ * The query is quantized like the keys: each work item turns its rows
+ * (already scaled by the softmax scale, attn_math.h load_queries) into int8
+ * with a float32 scale per group of PKV_I8_GROUP dimensions, scale = the
+ * group's largest magnitude / 127, values rounded to nearest (ties to
+ * even).  A score is then
+ *
+ *     sum over groups g of  kscale[g] * qscale[g] * sum_{i in g} k_i * q_i
+ *
+ * with the inner sums exact in int32 (32 products of at most 127 * 128).
+ * That is the accuracy cost of this path: the query's rounding, documented
+ * in docs/performance.md; PAGEDKV_SIMD=avx512 computes with the query as it
+ * is.  NaN or infinity in a query group makes its row's scores NaN.
+ *
+ * vpdpbusd multiplies unsigned by signed bytes, four consecutive bytes per
+ * int32 lane.  The keys are the unsigned side: a stored key byte k is read
+ * as k + 128 (its top bit flipped), and each group's sum starts at -128 *
+ * (the sum of the row's int8 values over the group) to take the offset off
+ * again.  Four dimensions of one key must share a lane, while K^T holds
+ * one dimension of consecutive keys per row (types.h): each load of 4 rows
+ * x 16 keys (one 64-byte load when a block row is 16 keys, four 16-byte
+ * loads otherwise) is transposed in registers by a dword permute and an
+ * in-lane byte shuffle, shared by every query row of the register tile.
+ * The stored layout is the same on every path, so pools and files move
+ * between machines unchanged.  Dimensions past the last multiple of 4 are
+ * folded in float32 (their int8 values are exact in float32).
+ */
+
+/* The quantized query rows of one head: row a's int8 values at q + a * ldq
+ * (ldq >= d, the tail zeroed), its scales and starting sums at sc / corr +
+ * a * ng. */
+typedef struct {
+    const int8_t *q;
+    const float *sc;
+    const int32_t *corr;
+    int ldq, ng;
+} PKV_KFN(qrows_t);
+
+/* Row count rows of x (d floats apart) quantized into mem (pkv_qdot_bytes
+ * bytes); *out describes them. */
+static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int d, char *mem,
+                                          PKV_KFN(qrows_t) *out) {
+    const int ldq = (int)pkv_qdot_ldq(d), ng = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP;
+    const int d4 = d & ~3;
+    int8_t *q = (int8_t *)mem;
+    float *sc = (float *)(mem + (size_t)PKV_MAX_ROWS * ldq);
+    int32_t *corr = (int32_t *)(sc + (size_t)PKV_MAX_ROWS * ng);
+    for (int a = 0; a < rows; a++) {
+        const float *xr = x + (size_t)a * d;
+        int8_t *qr = q + (size_t)a * ldq;
+        for (int i0 = 0, g = 0; i0 < d; i0 += PKV_I8_GROUP, g++) {
+            const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
+            const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+            const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1);
+            const __m512 x0 = _mm512_maskz_loadu_ps(m0, xr + i0);
+            const __m512 x1 = _mm512_maskz_loadu_ps(m1, xr + i0 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const int bad = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q) ||
+                            amax > 3.402823466e38f;
+            __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+            float s = 0.0f;
+            if (bad) {
+                s = NAN;
+            } else if (amax > 0.0f) {
+                s = amax / 127.0f;
+                const __m512 inv = _mm512_set1_ps(127.0f / amax);
+                q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            }
+            /* saturating packs: |x| * 127 / amax rounds to at most 127 */
+            _mm_storeu_si128((__m128i *)(qr + i0), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qr + i0 + 16), _mm512_cvtsepi32_epi8(q1));
+            /* the starting sum covers the dimensions the integer loop takes (< d4) */
+            const int nd = d4 - i0 < PKV_I8_GROUP ? (d4 > i0 ? d4 - i0 : 0) : PKV_I8_GROUP;
+            const __mmask16 k0 = (__mmask16)(nd >= 16 ? 0xFFFF : (1u << nd) - 1);
+            const __mmask16 k1 = (__mmask16)(nd <= 16 ? 0 : nd >= 32 ? 0xFFFF : (1u << (nd - 16)) - 1);
+            const int32_t sum = _mm512_mask_reduce_add_epi32(k0, q0) + _mm512_mask_reduce_add_epi32(k1, q1);
+            sc[(size_t)a * ng + g] = s;
+            corr[(size_t)a * ng + g] = -128 * sum;
+        }
+        for (int i = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP * PKV_I8_GROUP; i < ldq; i++) qr[i] = 0;
+    }
+    out->q = q;
+    out->sc = sc;
+    out->corr = corr;
+    out->ldq = ldq;
+    out->ng = ng;
+}
+
+/* The rows of one head: rows [first, ...) of all */
+static inline PKV_KFN(qrows_t) PKV_KFN(qrows_from)(const PKV_KFN(qrows_t) *all, int first) {
+    PKV_KFN(qrows_t) h = *all;
+    h.q += (size_t)first * all->ldq;
+    h.sc += (size_t)first * all->ng;
+    h.corr += (size_t)first * all->ng;
+    return h;
+}
+
+/* K^T rows i .. i + 3 of 16 keys (rows `stride` bytes apart) as 16 int32
+ * lanes of 4 unsigned bytes, one key's 4 dimensions each (top bits flipped) */
+static inline __m512i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
+    __m512i x;
+    if (stride == 16) {
+        x = _mm512_loadu_si512(p);
+    } else {
+        x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + stride)), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + 2 * stride)), 2);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + 3 * stride)), 3);
+    }
+    /* dword p of the result = dword (p % 4) * 4 + p / 4: 128-bit lane m holds
+     * keys 4m .. 4m + 3 of the four rows; then byte b of a lane = byte
+     * (b % 4) * 4 + b / 4: a 4 x 4 byte transpose inside each lane */
+    const __m512i didx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512i bidx = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
+    x = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(didx, x), bidx);
+    return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
+}
+
+/* four int8 values of a query row as one int32 (for a broadcast) */
+static inline int32_t PKV_KFN(q4)(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Scores of R rows x NV key vectors (as PKV_SCORES_MK in attn_tile.h):
+ * q / qs / qc the rows' int8 values, scales and starting sums, e the key
+ * vectors (int8 K^T, scales), results to out[r * NV + v].  Per group, DS
+ * independent int32 sets over alternate quads of dimensions. */
+#define PKV_DOT_MK(NAME, R, NV, DS)                                                                \
+    static inline void PKV_KFN(NAME)(const int8_t *const *q, const float *const *qs,               \
+                                     const int32_t *const *qc, const pkv_kvec *e, size_t stride,   \
+                                     int d, __m512 *out, pkv_pfs *ps) {                            \
+        __m512 tot[R][NV];                                                                         \
+        const int8_t *kp[NV];                                                                      \
+        for (int v = 0; v < NV; v++) kp[v] = (const int8_t *)e[v].k;                               \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < NV; v++) tot[r][v] = _mm512_setzero_ps();                          \
+        const int d4 = d & ~3;                                                                     \
+        PKV_PFS_BEGIN(ps)                                                                          \
+        for (int i0 = 0, g = 0; i0 < d4; i0 += PKV_I8_GROUP, g++) {                                \
+            const int i1 = d4 - i0 < PKV_I8_GROUP ? d4 : i0 + PKV_I8_GROUP;                        \
+            __m512i acc[DS][R][NV];                                                                \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512i c0 = _mm512_set1_epi32(qc[r][g]);                                    \
+                for (int v = 0; v < NV; v++) {                                                     \
+                    acc[0][r][v] = c0;                                                             \
+                    for (int u = 1; u < DS; u++) acc[u][r][v] = _mm512_setzero_si512();            \
+                }                                                                                  \
+            }                                                                                      \
+            int i = i0;                                                                            \
+            for (; i + 4 * DS <= i1; i += 4 * DS) {                                                \
+                PKV_PFS_STEP((DS) * (NV))                                                          \
+                for (int u = 0; u < DS; u++) PKV_DOT_STEP(acc[u], R, NV, i + 4 * u)                \
+            }                                                                                      \
+            for (; i < i1; i += 4) PKV_DOT_STEP(acc[0], R, NV, i)                                  \
+            __m512 ks[NV];                                                                         \
+            for (int v = 0; v < NV; v++) ks[v] = _mm512_loadu_ps(e[v].sc + (size_t)g * stride);    \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512 s = _mm512_set1_ps(qs[r][g]);                                         \
+                for (int v = 0; v < NV; v++) {                                                     \
+                    __m512i t = acc[0][r][v];                                                      \
+                    for (int u = 1; u < DS; u++) t = _mm512_add_epi32(t, acc[u][r][v]);            \
+                    tot[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ks[v], s),    \
+                                                tot[r][v]);                                        \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        PKV_PFS_END(ps)                                                                            \
+        for (int i = d4; i < d; i++) { /* dimensions past the last quad, in float32 */             \
+            const int g = i / PKV_I8_GROUP;                                                        \
+            __m512 kf[NV];                                                                         \
+            for (int v = 0; v < NV; v++)                                                           \
+                kf[v] = _mm512_mul_ps(PKV_LD_I8(kp[v] + (size_t)i * stride),                       \
+                                      _mm512_loadu_ps(e[v].sc + (size_t)g * stride));              \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512 b = _mm512_set1_ps((float)q[r][i] * qs[r][g]);                        \
+                for (int v = 0; v < NV; v++) tot[r][v] = _mm512_fmadd_ps(b, kf[v], tot[r][v]);     \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < NV; v++) out[r * NV + v] = tot[r][v];                              \
+    }
+/* one quad of dimensions i .. i + 3: NV transposed key loads, then a
+ * broadcast of each row's 4 values and NV dot products per row */
+#define PKV_DOT_STEP(acc, R, NV, i)                                                                \
+    {                                                                                              \
+        __m512i kq[NV];                                                                            \
+        for (int v = 0; v < NV; v++) kq[v] = PKV_KFN(kquad)(kp[v] + (size_t)(i) * stride, stride); \
+        for (int r = 0; r < R; r++) {                                                              \
+            const __m512i b = _mm512_set1_epi32(PKV_KFN(q4)(q[r] + (i)));                          \
+            for (int v = 0; v < NV; v++) (acc)[r][v] = _mm512_dpbusd_epi32((acc)[r][v], kq[v], b); \
+        }                                                                                          \
+    }
+
+PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
+#undef PKV_DOT_MK
+#undef PKV_DOT_STEP
+
+/* Scores of rows[0, na) of the quantized rows q (one head) against the key
+ * vectors e[0, ne) into sbuf [na][ldc]; rows as in attn_tile.h's float
+ * tile_scores (groups of four, a short last group repeating its first row). */
+static inline void PKV_KFN(tile_scores)(const PKV_KFN(qrows_t) *restrict q, const int *rows, int na,
+                                        const pkv_kvec *e, int ne, size_t stride, int d,
+                                        PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
+    __m512 res[4 * PKV_SC_NV];
+    const int8_t *qr[PKV_MAX_ROWS + 4];
+    const float *qs[PKV_MAX_ROWS + 4];
+    const int32_t *qc[PKV_MAX_ROWS + 4];
+    const int ngr = na == 1 ? 1 : (na + 3) / 4;
+    for (int a = 0; a < (na == 1 ? 1 : ngr * 4); a++) {
+        const int row = rows[a < na ? a : a - a % 4];
+        qr[a] = q->q + (size_t)row * q->ldq;
+        qs[a] = q->sc + (size_t)row * q->ng;
+        qc[a] = q->corr + (size_t)row * q->ng;
+    }
+    if (na == 1) {
+        int v = 0;
+        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+            PKV_KFN(sc_1xn)(qr, qs, qc, e + v, stride, d, res, ps);
+            for (int u = 0; u < PKV_SC_NV; u++) PKV_KFN(put_lanes)(sbuf, e + v + u, res[u]);
+        }
+        for (; v < ne; v++) {
+            PKV_KFN(sc_1x1)(qr, qs, qc, e + v, stride, d, res, ps);
+            PKV_KFN(put_lanes)(sbuf, e + v, res[0]);
+        }
+        return;
+    }
+    int v = 0;
+    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            PKV_KFN(sc_4xn)(qr + 4 * g, qs + 4 * g, qc + 4 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++)
+                for (int u = 0; u < PKV_SC_NV; u++)
+                    PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+        }
+    for (; v < ne; v++)
+        for (int g = 0; g < ngr; g++) {
+            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
+            PKV_KFN(sc_4x1)(qr + 4 * g, qs + 4 * g, qc + 4 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
+        }
+}
