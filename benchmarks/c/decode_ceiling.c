@@ -72,14 +72,17 @@ static void summary(const char *name, double *t, int n, double bytes, double *me
     *med_out = med;
 }
 
+static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon",
+                                                     "avx512vnni"};
+
 static int simd_from_env(void) {
     const int det = pkv_detect_simd();
     const char *e = getenv("PAGEDKV_SIMD");
     if (!e || !*e) return det;
-    int want = !strcmp(e, "scalar") ? PKV_SIMD_SCALAR : !strcmp(e, "avx2") ? PKV_SIMD_AVX2
-             : !strcmp(e, "avx512") ? PKV_SIMD_AVX512 : !strcmp(e, "neon") ? PKV_SIMD_NEON : -1;
-    /* x86 paths are ordered (a CPU with AVX-512 runs AVX2); NEON only where detected */
-    if (want < 0 || (want != PKV_SIMD_SCALAR && (want > det || (want == PKV_SIMD_NEON) != (det == PKV_SIMD_NEON)))) {
+    int want = -1;
+    for (int s = 0; s < PKV_NUM_SIMD; s++)
+        if (!strcmp(e, simd_names[s])) want = s;
+    if (want < 0 || !pkv_simd_supported(want)) {
         fprintf(stderr, "PAGEDKV_SIMD=%s not available here\n", e);
         exit(2);
     }
@@ -248,7 +251,6 @@ int main(int argc, char **argv) {
         tp[r] = t2 - t1;
         td[r] = t3 - t2;
     }
-    static const char *simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon"};
     printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
            "K+V %.1f MiB, %d rounds, max error %.1e\n",
            f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,

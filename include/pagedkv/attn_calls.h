@@ -28,7 +28,7 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
      * key chunks split the visible ranks [lo, held) (the window's blocks only) */
     PKV_KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, lo + vis * c / nchunk,
                      lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha,
-                     sc.qdot);
+                     sc.qdot, pl->pfk);
     if (nchunk == 1) {
         PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
     } else {
@@ -86,7 +86,10 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[1] = hpg;
         a->plan_out[2] = nchunk;
     }
-    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes};
+    /* bytes of K+V the call reads: work / (2 * hq) visible keys per kv head and dimension */
+    const double kv_bytes = work / a->hq * a->hkv * sizeof(PKV_S);
+    const int pfk = pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES;
+    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pfk};
     int64_t it;
     if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -146,7 +149,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read */
     PKV_KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
-                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot);
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

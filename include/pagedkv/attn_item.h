@@ -16,12 +16,14 @@
  * taken a tile of PKV_TILE_KEYS keys at a time: for each head of the item,
  * scores of its rows against the tile's keys (K of the tile's blocks) and
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
- * (phase, head) is a unit of the prefetch stream (prefetch.h). */
+ * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
+ * prefetch their next unit too (decode out of memory, where the stream goes
+ * into L2). */
 static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
                                  const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
                                  int64_t rend, PKV_T *restrict acc, double *m, double *l,
                                  PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                 char *restrict qdot) {
+                                 char *restrict qdot, int pfk) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
@@ -72,6 +74,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
     /* prefetch stream of the unit after the one being read; unit
      * (tile t, phase ph (0: K, 1: V), head hh) is number (t * 2 + ph) * nh + hh */
     pkv_pfs pfs;
+    pfs.l2 = pkv_pf_into_l2();
 #define PKV_UNIT_SLICES(unit, ps)                                                          \
     do {                                                                                   \
         const int64_t t_ = (unit) / (2 * nh), ph_ = ((unit) / nh) % 2, hh_ = (unit) % nh;  \
@@ -140,10 +143,12 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
                  * the next unit while a V unit is read (P.V walks each V slice in
                  * passes of part of a row), and the jump to the next tile's blocks.
                  * K units read K^T rows front to back, which the hardware streamer
-                 * follows (prefetching them too measured no faster out of DRAM and
-                 * 15-20% slower in cache; benchmarks/c/decode_ceiling.c). */
+                 * follows; on AMD prefetching them too measured no faster out of
+                 * DRAM and 15-20% slower in cache, on Intel with the stream into L2
+                 * it takes f32 decode out of DRAM from 88-92% to 97% of the pattern
+                 * read (pfk; benchmarks/c/decode_ceiling.c, prefetch.h). */
                 if (PKV_PREFETCH_UNITS && unit + 1 < nunits &&
-                    (ph == 1 || (unit + 1) % (2 * nh) == 0)) {
+                    (ph == 1 || pfk || (unit + 1) % (2 * nh) == 0)) {
                     PKV_UNIT_SLICES(unit + 1, &pfs);
                     ps = &pfs;
                 }

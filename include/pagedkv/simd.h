@@ -39,6 +39,13 @@ static inline uint64_t pkv_xgetbv0(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 
+/* 1 on an Intel CPU (cpuid vendor "GenuineIntel"; prefetch.h), cached */
+static inline int pkv_cpu_is_intel(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* Genu ineI ntel */
+}
+
 /* Best SIMD path this CPU and OS can run. */
 static inline int pkv_detect_simd(void) {
     unsigned a, b, c, d;
@@ -74,11 +81,13 @@ static inline int pkv_detect_simd(void) {
 #else
 static inline int pkv_detect_simd(void) { return PKV_SIMD_NEON; }
 #endif
+static inline int pkv_cpu_is_intel(void) { return 0; }
 
 #else
 #define PKV_X86 0
 #define PKV_ARM64 0
 static inline int pkv_detect_simd(void) { return PKV_SIMD_SCALAR; }
+static inline int pkv_cpu_is_intel(void) { return 0; }
 #endif
 
 /* 1 when path `simd` runs here and was built: scalar always, plus the
