@@ -20,7 +20,11 @@ Storage dtypes: ``pagedkv-bf16`` / ``-f16`` / ``-i8`` are the same call on a
 cache holding the same K/V with ``kv_dtype=`` bfloat16 / float16 / int8; their
 output is checked against pagedkv's within the storage's accuracy, and their
 ratio is pagedkv (f32/f64 storage) time / their time.  Their GB/s counts the
-bytes they read (the stored K+V, int8 scales included).
+bytes they read (the stored K+V, int8 scales included), and their %pat is
+against the pattern read of their own pool (``kv-pattern read-bf16`` etc., in
+the JSON).  With bf16 storage under a float32 run and torch installed,
+``torch-sdpa-bf16`` is torch's SDPA on the same K/V, queries and output in
+bfloat16 (folded GQA as above); its ratio is its time / pagedkv-bf16's.
 
 The read ceiling, measured in the same interleaved rounds:
 
@@ -67,6 +71,7 @@ from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, timed_once
 
 GATHER = "numpy-gather"
 TORCH = "torch-sdpa"
+TORCH16 = "torch-sdpa-bf16"
 PATTERN = "kv-pattern read"
 IMPLS = (PAGEDKV, PATTERN, NUMPY, GATHER, TORCH)
 # max |error| / max |pagedkv output| a storage dtype may add (random normal K/V; see the README's
@@ -76,6 +81,11 @@ KV_CHECK_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "int8": 3e-2}
 
 def kv_impl(kv_dtype: str) -> str:
     return f"{PAGEDKV}-{short_dtype(kv_dtype)}"
+
+
+def kv_pattern(kv_dtype: str) -> str:
+    """The pattern read of the pool of a storage dtype."""
+    return f"{PATTERN}-{short_dtype(kv_dtype)}"
 
 # numpy-gather copies every byte it then reads (2-3x the traffic of the
 # others); above this many K+V bytes per step it is skipped in full runs.
@@ -98,7 +108,7 @@ def configs(settings: Settings) -> List[Tuple[int, int]]:
     if settings.tiny:
         return [(1, 16), (2, 64)]
     if settings.quick:
-        return [(1, 16), (8, 2048), (1, 8192)]
+        return [(1, 16), (1, 512), (8, 2048), (1, 8192)]
     return [(b, l) for b in (1, 8) for l in (16, 512, 2048, 8192)]
 
 
@@ -167,6 +177,10 @@ class _Case:
             self.tK = torch.from_numpy(self.K)
             self.tV = torch.from_numpy(self.V)
             self.sdpa = torch.nn.functional.scaled_dot_product_attention
+            self.bf16 = dtype == "float32" and "bfloat16" in self.kv
+            if self.bf16:  # torch in bfloat16, beside pagedkv's bfloat16 storage
+                self.tq16, self.tK16, self.tV16 = (x.to(torch.bfloat16)
+                                                   for x in (self.tq, self.tK, self.tV))
 
     @property
     def kv_bytes(self) -> int:
@@ -203,6 +217,15 @@ class _Case:
         for _ in range(n):
             self.pattern = read(sids)
 
+    def runner_kv_pattern(self, kv_dtype: str):
+        cache, sids, _, _ = self.kv[kv_dtype]
+        read = cache.read_kv_pattern
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                self.kv_read = read(sids)
+        return run
+
     def run_numpy(self, n: int) -> None:
         Kt = self.K.transpose(0, 1, 3, 2)
         for _ in range(n):
@@ -228,6 +251,12 @@ class _Case:
             for _ in range(n):
                 self.to = sdpa(self.tq, self.tK, self.tV, scale=self.scale)
 
+    def run_torch16(self, n: int) -> None:
+        torch, sdpa = self.torch, self.sdpa
+        with torch.inference_mode():
+            for _ in range(n):
+                self.to16 = sdpa(self.tq16, self.tK16, self.tV16, scale=self.scale)
+
     def outputs(self, name: str) -> np.ndarray:
         sh = (self.B, self.sh.hq, self.sh.d)
         if name == PAGEDKV:
@@ -239,6 +268,8 @@ class _Case:
         for kv_dtype, (_, _, out, _) in self.kv.items():
             if name == kv_impl(kv_dtype):
                 return out
+        if name == TORCH16:
+            return self.to16.float().numpy().reshape(sh)
         return self.to.numpy().reshape(sh)
 
     def close(self) -> None:
@@ -275,6 +306,9 @@ def run(settings: Settings) -> List[dict]:
                         impls[TORCH] = Impl(case.run_torch)
                     for kv_dtype in case.kv:
                         impls[kv_impl(kv_dtype)] = Impl(case.runner_kv(kv_dtype))
+                        impls[kv_pattern(kv_dtype)] = Impl(case.runner_kv_pattern(kv_dtype))
+                    if torch is not None and case.bf16:
+                        impls[TORCH16] = Impl(case.run_torch16)
                     with settings.stage(f"decode {short_dtype(dtype)} t={t} B={B} L={L}"), \
                             ThreadScope(t, torch):
                         first = timed_once(impls)   # warm-up, and the outputs to check
@@ -303,7 +337,16 @@ def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
     for name in impls:
         if name in (PAGEDKV, PATTERN):
             continue
+        kvp = [k for k in case.kv if kv_pattern(k) == name]
+        if kvp:  # read alone: its byte count (the pool's whole blocks)
+            case.runner_kv_pattern(kvp[0])(1)
+            if case.kv_read[0] != case.kv[kvp[0]][3]:
+                raise AssertionError(f"{name}: read {case.kv_read[0]} bytes, expected "
+                                     f"{case.kv[kvp[0]][3]}")
+            continue
         kv = [k for k in case.kv if kv_impl(k) == name]
+        if name == TORCH16:
+            kv = ["bfloat16"]
         if kv:
             err = rel_error(case.outputs(name), want)
             if not err <= KV_CHECK_TOL[kv[0]]:
@@ -318,25 +361,33 @@ def _verify(case: _Case, impls: Dict[str, Impl]) -> Dict[str, float]:
 def _record(settings: Settings, case: _Case, t: int, timings, errors, skipped) -> dict:
     bw = settings.bw(t)
     kv_names = {kv_impl(k): k for k in case.kv}
+    kv_reads = {kv_pattern(k): k for k in case.kv}
 
     def figures(name, tm) -> dict:
-        nbytes = (case.kv[kv_names[name]][3] if name in kv_names
-                  else case.pattern_bytes if name == PATTERN else case.kv_bytes)
+        kv = kv_names.get(name) or kv_reads.get(name)
+        nbytes = (case.kv[kv][3] if kv else case.pattern_bytes if name == PATTERN
+                  else case.kv_bytes)
         r = {"gbps": nbytes / tm.median / 1e9,
              "pct_bw": 100.0 * nbytes / tm.median / bw if bw else None,
              "gflops": case.flops / tm.median / 1e9}
-        if name not in (PAGEDKV, PATTERN):
+        if name in errors:
             r["max_rel_err_vs_pagedkv"] = errors[name]
         return r
 
     results = results_of(timings, figures)
-    # decode GB/s as a fraction of the pattern read's, paired per round
+    # decode GB/s as a fraction of the pattern read's, paired per round (storage
+    # dtypes: their own pool's; both count the same whole blocks)
     results[PAGEDKV]["pct_pattern"] = (100.0 * case.kv_bytes / case.pattern_bytes
                                        * paired_ratio(timings[PATTERN], timings[PAGEDKV]))
-    # baselines: their time / pagedkv's; storage dtypes: pagedkv's time / theirs
+    for name, kv in kv_names.items():
+        results[name]["pct_pattern"] = 100.0 * paired_ratio(timings[kv_pattern(kv)], timings[name])
+    # baselines: their time / pagedkv's; storage dtypes: pagedkv's time / theirs;
+    # torch in bfloat16: its time / pagedkv-bf16's
     ratios = {name: (paired_ratio(timings[PAGEDKV], tm) if name in kv_names
+                     else paired_ratio(tm, timings[kv_impl("bfloat16")]) if name == TORCH16
                      else paired_ratio(tm, timings[PAGEDKV]))
-              for name, tm in timings.items() if name not in (PAGEDKV, PATTERN)}
+              for name, tm in timings.items()
+              if name not in (PAGEDKV, PATTERN) and name not in kv_reads}
     return {"suite": "decode", "dtype": case.dtype, "threads": t, "B": case.B, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "block_size": BLOCK_SIZE,
             "kv_bytes": case.kv_bytes, "flops": case.flops, "results": results,
@@ -564,20 +615,22 @@ def _head(r0: dict, peak: str) -> str:
             "'pagedkv speedup' = baseline time / pagedkv time (paired per round; >1: pagedkv "
             "faster);\nspread = (max - min) / median of the rounds.  pagedkv-bf16/f16/i8: "
             "the same K/V stored as bfloat16 / float16 / int8;\ntheir last column is pagedkv "
-            "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read."
+            "time / theirs (>1: the smaller storage is faster), their GB/s the bytes they read, "
+            "their %pat\nagainst the pattern read of their own pool.  torch-sdpa-bf16: torch "
+            "in bfloat16; its last column is its time / pagedkv-bf16's."
             + ("\n" + peak if peak else ""))
 
 
 def _rows(r: dict) -> List[List[str]]:
     def cells(name, res):
         speed = "" if name in (PAGEDKV, PATTERN) else fmt_ratio(r["ratios"][name])
-        pat = fmt_pct(res["pct_pattern"]) if name == PAGEDKV else ""
+        pat = fmt_pct(res["pct_pattern"]) if "pct_pattern" in res else ""
         flops = "" if name == PATTERN else fmt_num(res["gflops"])
         return [name, *timed_cells(res), fmt_num(res["gbps"]), fmt_pct(res["pct_bw"]), pat,
                 flops, speed]
 
     # a missing implementation gets a row only if torch or skipped
-    names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", []))
+    names = [n for n in IMPLS + tuple(kv_impl(k) for k in r.get("kv_dtypes", [])) + (TORCH16,)
              if n in r["results"] or n == TORCH or n in r["skipped"]]
     return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["B"]), str(r["L"])],
                    impl_rows(r, names, cells, 8,

@@ -279,8 +279,8 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
     the configuration was not run)."""
     tmax = max(settings.threads)
     tcounts = sorted(set(settings.threads) & {1, tmax}) or sorted(settings.threads)
-    out: dict = {"decode": [], "decode_l2": [], "small_call": [], "prefill": None,
-                 "append": None}
+    out: dict = {"decode": [], "decode_kv": [], "decode_l2": [], "small_call": [],
+                 "prefill": None, "append": None}
     for dtype in ("float32", "float64"):
         for B, L in ((8, 2048), (1, 8192)):
             for t in tcounts:
@@ -295,6 +295,26 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
                     "time_s": p["median_s"],
                     "torch_time_s": tr["median_s"] if tr else None,
                     "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
+    # storage dtypes under float32: their time against float32 storage's (and, bf16 in
+    # cache, against torch in bfloat16), and against the pattern read of their own bytes
+    for (B, L), kvs in (((8, 2048), ("bfloat16", "float16", "int8")), ((1, 512), ("bfloat16",))):
+        for t in tcounts:
+            r = _find(records, suite="decode", dtype="float32", B=B, L=L, threads=t)
+            if r is None:
+                continue
+            for kv in kvs:
+                name = decode_suite.kv_impl(kv)
+                p = r["results"].get(name)
+                if p is None:
+                    continue
+                tr = r["results"].get(decode_suite.TORCH16) if kv == "bfloat16" else None
+                out["decode_kv"].append({
+                    "kv_dtype": kv, "B": B, "L": L, "threads": t, "time_s": p["median_s"],
+                    "gbps": p["gbps"], "pct_pattern": p.get("pct_pattern"),
+                    "f32_time_s": r["results"][PAGEDKV]["median_s"],
+                    "ratio_vs_f32": r["ratios"][name],
+                    "torch_bf16_time_s": tr["median_s"] if tr else None,
+                    "ratio_vs_torch_bf16": r["ratios"].get(decode_suite.TORCH16) if tr else None})
     for dtype in ("float32", "float64"):  # the kernel against the FMA peak, K/V in L2
         r = _find(records, suite=decode_suite.L2_SUITE, dtype=dtype)
         if r is None:
@@ -346,6 +366,18 @@ def format_targets(t: dict) -> str:
                      f"of measured BW, {fmt_pct(d.get('pct_pattern'))} of the pattern read",
                      f"torch-sdpa(folded GQA) {fmt_time(d['torch_time_s'])}",
                      fmt_ratio(d["ratio_vs_torch"])])
+    for d in t.get("decode_kv", []):
+        if d["B"] == 8:
+            base = f"f32 storage {fmt_time(d['f32_time_s'])}"
+            ratio = fmt_ratio(d["ratio_vs_f32"])
+        else:  # bf16 in cache: against float32 storage and torch in bfloat16
+            base = (f"f32 storage {fmt_time(d['f32_time_s'])} ({fmt_ratio(d['ratio_vs_f32'])}), "
+                    f"torch-sdpa bf16 {fmt_time(d['torch_bf16_time_s'])}")
+            ratio = fmt_ratio(d["ratio_vs_torch_bf16"]) if d["ratio_vs_torch_bf16"] else ""
+        rows.append([f"decode {short_dtype(d['kv_dtype'])} storage B={d['B']} L={d['L']}",
+                     str(d["threads"]), fmt_time(d["time_s"]),
+                     f"{fmt_num(d['gbps'])} GB/s = {fmt_pct(d.get('pct_pattern'))} of its own "
+                     "pattern read", base, ratio])
     for d in t["decode_l2"]:
         rows.append([f"decode {short_dtype(d['dtype'])} K/V in L2 B=1 L={d['L']}",
                      str(d["threads"]), fmt_time(d["time_s"]),
