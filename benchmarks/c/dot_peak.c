@@ -15,13 +15,21 @@
  *   maddubs_i8   vpsignb + vpmaddubsw + vpmaddwd + vpaddd: 32 (int8 quads
  *                into int32, the sign trick for signed x signed)
  *
+ * and, where the CPU has them, the same tile on 512-bit registers (16
+ * int32 / float lanes, the buffer's entries one vector each, 4 rows x 2
+ * vectors):
+ *
+ *   fma_f32_512  vfmadd231ps zmm: 16 multiply-adds
+ *   dpbusd_512   vpdpbusd (AVX512_VNNI): 64 (unsigned x signed bytes)
+ *   dpwssd_512   vpdpwssd (AVX512_VNNI): 32 (int16 pairs)
+ *   dpbf16_512   vdpbf16ps (AVX512_BF16): 32 (bfloat16 pairs into float32)
+ *
  * Rates are G multiply-adds per second on one thread (best of the rounds).
- * The int32 accumulators wrap; the checksum each loop prints (the sum of its
- * final lanes, mod 2^32) is what tests/kernels/test_dot_peak.py checks
- * against an exact model.  AVX2 only: built without -m flags (per-function
+ * The int32 accumulators wrap; the checksum each integer loop prints (the
+ * sum of its final lanes, mod 2^32) is what tests/kernels/test_dot_peak.py
+ * checks against an exact model.  Built without -m flags (per-function
  * target attributes), it reports and exits where the CPU lacks AVX2 or on
- * another architecture.  VNNI (vpdpbusd) and AVX512_BF16 loops are not here:
- * the machine this was written on has neither.
+ * another architecture, and skips the 512-bit loops the CPU lacks.
  *
  *   cc -O3 -std=c11 -D_POSIX_C_SOURCE=200112L benchmarks/c/dot_peak.c -o dot_peak
  *   ./dot_peak [iterations]      (default 100000000)
@@ -122,6 +130,96 @@ __attribute__((target("avx2"), noinline)) static void maddubs_i8(long n, uint32_
     TILE_SUM(c, sum)
 }
 
+/* the 512-bit tile: entry e of the buffer as two zmm (128 bytes: entries e
+ * and e + 1 mod NBUF of the 64-byte view) */
+#define TILE_SUM512(acc, out)                                                           \
+    {                                                                                   \
+        __m512i s_ = acc[0];                                                            \
+        for (int k_ = 1; k_ < 8; k_++) s_ = _mm512_add_epi32(s_, acc[k_]);              \
+        *(out) = (uint32_t)_mm512_reduce_add_epi32(s_);                                 \
+    }
+#define ENTRY512(i) ((const __m512i *)buf + ((i) & (NBUF - 1)))
+#define NEXT512(i) ((const __m512i *)buf + (((i) + 1) & (NBUF - 1)))
+
+__attribute__((target("avx512f"), noinline)) static float fma_f32_512(long n) {
+    __m512 c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_ps();
+    const __m512 b[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f),
+                         _mm512_set1_ps(0.125f)};
+    for (long i = 0; i < n; i++) {
+        const __m512 x0 = _mm512_load_ps(fbuf + (i & (NBUF - 1)) * 16);
+        const __m512 x1 = _mm512_load_ps(fbuf + ((i + 1) & (NBUF - 1)) * 16);
+        for (int r = 0; r < 4; r++) {
+            c[2 * r] = _mm512_fmadd_ps(x0, b[r], c[2 * r]);
+            c[2 * r + 1] = _mm512_fmadd_ps(x1, b[r], c[2 * r + 1]);
+        }
+    }
+    __m512 s = c[0];
+    for (int k = 1; k < 8; k++) s = _mm512_add_ps(s, c[k]);
+    return _mm512_reduce_add_ps(s);
+}
+
+/* acc + one dot-product instruction, the accumulator updated in place
+ * (through the intrinsics GCC 12 moves the accumulators around every
+ * instruction, and the loop would measure that) */
+#define DP_FN(name, insn, T, tgt)                                                   \
+    __attribute__((target(tgt))) static inline T name(T acc, __m512i x, __m512i b) { \
+        __asm__(insn " %2, %1, %0" : "+v"(acc) : "v"(x), "v"(b));                   \
+        return acc;                                                                 \
+    }
+DP_FN(dp_busd, "vpdpbusd", __m512i, "avx512f,avx512vnni")
+DP_FN(dp_wssd, "vpdpwssd", __m512i, "avx512f,avx512vnni")
+DP_FN(dp_bf16, "vdpbf16ps", __m512, "avx512f,avx512bf16")
+
+__attribute__((target("avx512f,avx512vnni"), noinline)) static void dpbusd_512(long n, uint32_t *sum) {
+    __m512i c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_si512();
+    __m512i b[4];
+    for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)ROWS[r]);
+    for (long i = 0; i < n; i++) {
+        const __m512i x0 = _mm512_load_si512(ENTRY512(i)), x1 = _mm512_load_si512(NEXT512(i));
+        for (int r = 0; r < 4; r++) { /* x: the unsigned side, the rows: signed */
+            c[2 * r] = dp_busd(c[2 * r], x0, b[r]);
+            c[2 * r + 1] = dp_busd(c[2 * r + 1], x1, b[r]);
+        }
+    }
+    TILE_SUM512(c, sum)
+}
+
+__attribute__((target("avx512f,avx512vnni"), noinline)) static void dpwssd_512(long n, uint32_t *sum) {
+    __m512i c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_si512();
+    __m512i b[4];
+    for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)ROWS[r]);
+    for (long i = 0; i < n; i++) {
+        const __m512i x0 = _mm512_load_si512(ENTRY512(i)), x1 = _mm512_load_si512(NEXT512(i));
+        for (int r = 0; r < 4; r++) {
+            c[2 * r] = dp_wssd(c[2 * r], x0, b[r]);
+            c[2 * r + 1] = dp_wssd(c[2 * r + 1], x1, b[r]);
+        }
+    }
+    TILE_SUM512(c, sum)
+}
+
+__attribute__((target("avx512f,avx512bf16"), noinline)) static float dpbf16_512(long n) {
+    __m512 c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_ps();
+    __m512i b[4]; /* bfloat16 pairs of small normal values */
+    for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)(0x3f803f00u + 0x10001u * (unsigned)r));
+    for (long i = 0; i < n; i++) {
+        /* the float buffer's bits as bfloat16 pairs: normal values, no assists */
+        const __m512i x0 = _mm512_load_si512((const __m512i *)fbuf + (i & (NBUF - 1)));
+        const __m512i x1 = _mm512_load_si512((const __m512i *)fbuf + ((i + 1) & (NBUF - 1)));
+        for (int r = 0; r < 4; r++) {
+            c[2 * r] = dp_bf16(c[2 * r], x0, b[r]);
+            c[2 * r + 1] = dp_bf16(c[2 * r + 1], x1, b[r]);
+        }
+    }
+    __m512 s = c[0];
+    for (int k = 1; k < 8; k++) s = _mm512_add_ps(s, c[k]);
+    return _mm512_reduce_add_ps(s);
+}
+
 int main(int argc, char **argv) {
     const long n = argc > 1 ? atol(argv[1]) : 100000000L;
     const int rounds = argc > 2 ? atoi(argv[2]) : 5;
@@ -164,6 +262,40 @@ int main(int argc, char **argv) {
     printf("fma_f32     %7.1f  1.00x  (sum %g)\n", best[0] / 1e9, (double)sf);
     printf("madd_i16    %7.1f  %.2fx  checksum %u\n", best[1] / 1e9, best[1] / best[0], s16);
     printf("maddubs_i8  %7.1f  %.2fx  checksum %u\n", best[2] / 1e9, best[2] / best[0], s8);
+    if (!__builtin_cpu_supports("avx512f")) return 0;
+    /* the 512-bit tile: 128 bytes a step, 4 rows x 2 vectors */
+    const int vnni = __builtin_cpu_supports("avx512vnni"), bf16 = __builtin_cpu_supports("avx512bf16");
+    double b5[4] = {0, 0, 0, 0};
+    uint32_t sb = 0, sw = 0;
+    float f5 = 0, fb = 0;
+    for (int r = 0; r < rounds; r++) {
+        double t = now();
+        f5 = fma_f32_512(n);
+        double dt = now() - t;
+        if (128.0 * n / dt > b5[0]) b5[0] = 128.0 * n / dt;
+        if (vnni) {
+            t = now();
+            dpbusd_512(n, &sb);
+            dt = now() - t;
+            if (512.0 * n / dt > b5[1]) b5[1] = 512.0 * n / dt;
+            t = now();
+            dpwssd_512(n, &sw);
+            dt = now() - t;
+            if (256.0 * n / dt > b5[2]) b5[2] = 256.0 * n / dt;
+        }
+        if (bf16) {
+            t = now();
+            fb = dpbf16_512(n);
+            dt = now() - t;
+            if (256.0 * n / dt > b5[3]) b5[3] = 256.0 * n / dt;
+        }
+    }
+    printf("fma_f32_512 %7.1f  %.2fx  (sum %g)\n", b5[0] / 1e9, b5[0] / best[0], (double)f5);
+    if (vnni) {
+        printf("dpbusd_512  %7.1f  %.2fx  checksum %u\n", b5[1] / 1e9, b5[1] / best[0], sb);
+        printf("dpwssd_512  %7.1f  %.2fx  checksum %u\n", b5[2] / 1e9, b5[2] / best[0], sw);
+    }
+    if (bf16) printf("dpbf16_512  %7.1f  %.2fx  (sum %g)\n", b5[3] / 1e9, b5[3] / best[0], (double)fb);
     return 0;
 }
 #else

@@ -54,6 +54,28 @@ def _expected(n):
     return t16 % 2**32, t8 % 2**32
 
 
+def _expected_512(n):
+    """Checksums (mod 2^32) of dpbusd_512 and dpwssd_512 after n iterations: iteration i reads
+    entries i and i + 1 (mod NBUF), each one 64-byte vector of 16 int32 lanes."""
+    entries = _probe_buffer()
+    tb = tw = 0
+    for e, x in enumerate(entries):
+        # times entry e is read: as the first vector (i = e mod NBUF) and the second (i + 1 = e)
+        count = sum(n // NBUF + (1 if k < n % NBUF else 0) for k in (e, (e - 1) % NBUF))
+        xb = [v & 0xFF for v in x]
+        sb = sw = 0
+        for row in ROWS:
+            rb = [(row >> (8 * j)) & 0xFF for j in range(4)]
+            b_lo, b_hi = _s16(rb[0], rb[1]), _s16(rb[2], rb[3])
+            for lane in range(16):
+                w = xb[4 * lane:4 * lane + 4]
+                sb += sum(w[j] * _s8(rb[j]) for j in range(4))  # unsigned x signed
+                sw += _s16(w[0], w[1]) * b_lo + _s16(w[2], w[3]) * b_hi
+        tb += count * sb
+        tw += count * sw
+    return tb % 2**32, tw % 2**32
+
+
 def _build(tmp_path, opt):
     """The probe built into tmp_path at optimisation level `opt`."""
     exe = tmp_path / "dot_peak"
@@ -79,6 +101,11 @@ def test_dot_peak_probe_computes_what_it_claims(tmp_path):
     e16, e8 = _expected(n)
     assert int(sums["madd_i16"]) == e16
     assert int(sums["maddubs_i8"]) == e8
+    if "dpbusd_512" in sums:  # AVX512_VNNI: its 512-bit loops, checked the same way
+        eb, ew = _expected_512(n)
+        assert int(sums["dpbusd_512"]) == eb
+        assert int(sums["dpwssd_512"]) == ew
+        assert float(rates["dpbusd_512"]) > 0 and float(rates["dpwssd_512"]) > 0
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")

@@ -298,6 +298,27 @@ def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ro
         assert_attention_close(out, plain, dtype, vg)
 
 
+@pytest.mark.parametrize("bs,d,length", [(16, 128, 300), (5, 70, 97), (64, 33, 130), (300, 64, 700)])
+def test_int8_values_where_every_weight_is_equal(bs, d, length):
+    """Zero keys make every weight of a row equal, so attention is the mean of the stored values
+    (value rows whose every scale group holds a +-127, so all share one scale): float32 accuracy
+    on every path, decode and prefill, tiles of 64 keys, blocks narrower than a vector and blocks
+    of more than 256 keys."""
+    rng = np.random.default_rng(bs)
+    c = _cache("int8", "float32", num_blocks=length // bs + 2, block_size=bs, hkv=2, d=d)
+    sid = c.add_sequence()
+    v = rng.integers(-126, 127, (length, 2, d)).astype(np.float32)
+    v[:, :, ::32] = 127.0 * rng.choice([-1.0, 1.0], v[:, :, ::32].shape)  # each group's max
+    v *= np.float32(0.01)
+    c.append(sid, np.zeros((length, 2, d), np.float32), v)
+    kg, vg = c.gather(sid)
+    np.testing.assert_array_equal(vg, v)  # stored exactly
+    q = random_tokens(rng, 6, 8, d, "float32")
+    for out, n in ((c.attend(sid, q), 6), (c.attend_batch([sid], q[-1:]), 1)):
+        assert_attention_close(out, ref_attention(q[-n:], kg, vg, math_scale(d), length - n),
+                               "float32", vg)
+
+
 # ---------------------------------------------------------------------------
 # every feature with every kv_dtype
 
