@@ -328,6 +328,33 @@ def test_16bit_model_matches_paged_generate(dtype):
     _all_blocks_back(b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_16bit_model_with_prefix_caching(dtype):
+    """Prefix caching with a bfloat16 / float16 model: prompts sharing a system prompt reuse its
+    full blocks (16-bit K/V kept as they are) and generate the tokens of each prompt's own
+    generate() on a paged_cache of the same model."""
+    torch.manual_seed(98)
+    model = LlamaForCausalLM(llama_config()).eval().to(dtype)
+    shared = prompt_lists(15, [33])[0]
+    prompts = [shared + t for t in prompt_lists(16, [5, 1, 12])]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            pc = paged_cache(model, num_blocks=16, block_size=BS)
+            o = model.generate(torch.tensor([p]), past_key_values=pc, max_new_tokens=6,
+                               do_sample=False)
+            want.append(o[0, len(p):].tolist())
+    b = ContinuousBatcher(model, num_blocks=64, block_size=BS, prefix_caching=True)
+    assert b.cache.dtype_name == str(dtype).split(".")[1]
+    first = b.add_request(prompts[0], 6)
+    b.step()                       # the first prompt is computed (and its blocks registered)
+    rids = [first] + [b.add_request(p, 6) for p in prompts[1:]]
+    out = b.run()
+    assert [out[r] for r in rids] == want
+    assert b.stats().prefix_hit_tokens == 2 * 4 * BS  # 33 shared tokens: 4 full blocks, twice
+    _all_blocks_back(b)
+
+
 def test_a_failing_forward_leaves_nothing_behind(models):
     """A forward that raises half-way (after layer 0 stored its K/V) requeues the step's
     requests and frees their blocks; the batcher then finishes with exact tokens."""
