@@ -171,35 +171,25 @@ DP_FN(dp_busd, "vpdpbusd", __m512i, "avx512f,avx512vnni")
 DP_FN(dp_wssd, "vpdpwssd", __m512i, "avx512f,avx512vnni")
 DP_FN(dp_bf16, "vdpbf16ps", __m512, "avx512f,avx512bf16")
 
-__attribute__((target("avx512f,avx512vnni"), noinline)) static void dpbusd_512(long n, uint32_t *sum) {
-    __m512i c[8];
-    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_si512();
-    __m512i b[4];
-    for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)ROWS[r]);
-    for (long i = 0; i < n; i++) {
-        const __m512i x0 = _mm512_load_si512(ENTRY512(i)), x1 = _mm512_load_si512(NEXT512(i));
-        for (int r = 0; r < 4; r++) { /* x: the unsigned side, the rows: signed */
-            c[2 * r] = dp_busd(c[2 * r], x0, b[r]);
-            c[2 * r + 1] = dp_busd(c[2 * r + 1], x1, b[r]);
-        }
+/* the integer 512-bit tile over instruction DP (for vpdpbusd the buffer is the
+ * unsigned side, the rows the signed one) */
+#define DP_TILE512(name, DP)                                                              \
+    __attribute__((target("avx512f,avx512vnni"), noinline)) static void name(long n, uint32_t *sum) { \
+        __m512i c[8];                                                                     \
+        for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_si512();                        \
+        __m512i b[4];                                                                     \
+        for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)ROWS[r]);           \
+        for (long i = 0; i < n; i++) {                                                    \
+            const __m512i x0 = _mm512_load_si512(ENTRY512(i)), x1 = _mm512_load_si512(NEXT512(i)); \
+            for (int r = 0; r < 4; r++) {                                                 \
+                c[2 * r] = DP(c[2 * r], x0, b[r]);                                        \
+                c[2 * r + 1] = DP(c[2 * r + 1], x1, b[r]);                                \
+            }                                                                             \
+        }                                                                                 \
+        TILE_SUM512(c, sum)                                                               \
     }
-    TILE_SUM512(c, sum)
-}
-
-__attribute__((target("avx512f,avx512vnni"), noinline)) static void dpwssd_512(long n, uint32_t *sum) {
-    __m512i c[8];
-    for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_si512();
-    __m512i b[4];
-    for (int r = 0; r < 4; r++) b[r] = _mm512_set1_epi32((int32_t)ROWS[r]);
-    for (long i = 0; i < n; i++) {
-        const __m512i x0 = _mm512_load_si512(ENTRY512(i)), x1 = _mm512_load_si512(NEXT512(i));
-        for (int r = 0; r < 4; r++) {
-            c[2 * r] = dp_wssd(c[2 * r], x0, b[r]);
-            c[2 * r + 1] = dp_wssd(c[2 * r + 1], x1, b[r]);
-        }
-    }
-    TILE_SUM512(c, sum)
-}
+DP_TILE512(dpbusd_512, dp_busd)
+DP_TILE512(dpwssd_512, dp_wssd)
 
 __attribute__((target("avx512f,avx512bf16"), noinline)) static float dpbf16_512(long n) {
     __m512 c[8];

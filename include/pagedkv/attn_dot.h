@@ -93,6 +93,22 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
     out->ng = ng;
 }
 
+/* One quantized row as the micro-kernels take it (attn_tile.h's row handle) */
+typedef struct {
+    const int8_t *q;
+    const float *sc;
+    const int32_t *corr;
+} PKV_KFN(qrow_t);
+
+static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_KFN(qrows_t) *h, int row, int d) {
+    (void)d;
+    PKV_KFN(qrow_t) r;
+    r.q = h->q + (size_t)row * h->ldq;
+    r.sc = h->sc + (size_t)row * h->ng;
+    r.corr = h->corr + (size_t)row * h->ng;
+    return r;
+}
+
 /* The rows of one head: rows [first, ...) of all */
 static inline PKV_KFN(qrows_t) PKV_KFN(qrows_from)(const PKV_KFN(qrows_t) *all, int first) {
     PKV_KFN(qrows_t) h = *all;
@@ -131,12 +147,11 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
 }
 
 /* Scores of R rows x NV key vectors (as PKV_SCORES_MK in attn_tile.h):
- * q / qs / qc the rows' int8 values, scales and starting sums, e the key
- * vectors (int8 K^T, scales), results to out[r * NV + v].  Per group, DS
+ * q the rows (int8 values, scales and starting sums), e the key vectors
+ * (int8 K^T, scales), results to out[r * NV + v].  Per group, DS
  * independent int32 sets over alternate quads of dimensions. */
 #define PKV_DOT_MK(NAME, R, NV, DS)                                                                \
-    static inline void PKV_KFN(NAME)(const int8_t *const *q, const float *const *qs,               \
-                                     const int32_t *const *qc, const pkv_kvec *e, size_t stride,   \
+    static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,  \
                                      int d, __m512 *out, pkv_pfs *ps) {                            \
         __m512 tot[R][NV];                                                                         \
         const int8_t *kp[NV];                                                                      \
@@ -149,7 +164,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
             const int i1 = d4 - i0 < PKV_I8_GROUP ? d4 : i0 + PKV_I8_GROUP;                        \
             __m512i acc[DS][R][NV];                                                                \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512i c0 = _mm512_set1_epi32(qc[r][g]);                                    \
+                const __m512i c0 = _mm512_set1_epi32(q[r].corr[g]);                                    \
                 for (int v = 0; v < NV; v++) {                                                     \
                     acc[0][r][v] = c0;                                                             \
                     for (int u = 1; u < DS; u++) acc[u][r][v] = _mm512_setzero_si512();            \
@@ -164,7 +179,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
             __m512 ks[NV];                                                                         \
             for (int v = 0; v < NV; v++) ks[v] = _mm512_loadu_ps(e[v].sc + (size_t)g * stride);    \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512 s = _mm512_set1_ps(qs[r][g]);                                         \
+                const __m512 s = _mm512_set1_ps(q[r].sc[g]);                                         \
                 for (int v = 0; v < NV; v++) {                                                     \
                     __m512i t = acc[0][r][v];                                                      \
                     for (int u = 1; u < DS; u++) t = _mm512_add_epi32(t, acc[u][r][v]);            \
@@ -181,7 +196,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
                 kf[v] = _mm512_mul_ps(PKV_LD_I8(kp[v] + (size_t)i * stride),                       \
                                       _mm512_loadu_ps(e[v].sc + (size_t)g * stride));              \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512 b = _mm512_set1_ps((float)q[r][i] * qs[r][g]);                        \
+                const __m512 b = _mm512_set1_ps((float)q[r].q[i] * q[r].sc[g]);                        \
                 for (int v = 0; v < NV; v++) tot[r][v] = _mm512_fmadd_ps(b, kf[v], tot[r][v]);     \
             }                                                                                      \
         }                                                                                          \
@@ -195,57 +210,9 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
         __m512i kq[NV];                                                                            \
         for (int v = 0; v < NV; v++) kq[v] = PKV_KFN(kquad)(kp[v] + (size_t)(i) * stride, stride); \
         for (int r = 0; r < R; r++) {                                                              \
-            const __m512i b = _mm512_set1_epi32(PKV_KFN(q4)(q[r] + (i)));                          \
+            const __m512i b = _mm512_set1_epi32(PKV_KFN(q4)(q[r].q + (i)));                          \
             for (int v = 0; v < NV; v++) (acc)[r][v] = _mm512_dpbusd_epi32((acc)[r][v], kq[v], b); \
         }                                                                                          \
     }
 
-PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
-#undef PKV_DOT_MK
-#undef PKV_DOT_STEP
-
-/* Scores of rows[0, na) of the quantized rows q (one head) against the key
- * vectors e[0, ne) into sbuf [na][ldc]; rows as in attn_tile.h's float
- * tile_scores (groups of four, a short last group repeating its first row). */
-static inline void PKV_KFN(tile_scores)(const PKV_KFN(qrows_t) *restrict q, const int *rows, int na,
-                                        const pkv_kvec *e, int ne, size_t stride, int d,
-                                        PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
-    __m512 res[4 * PKV_SC_NV];
-    const int8_t *qr[PKV_MAX_ROWS + 4];
-    const float *qs[PKV_MAX_ROWS + 4];
-    const int32_t *qc[PKV_MAX_ROWS + 4];
-    const int ngr = na == 1 ? 1 : (na + 3) / 4;
-    for (int a = 0; a < (na == 1 ? 1 : ngr * 4); a++) {
-        const int row = rows[a < na ? a : a - a % 4];
-        qr[a] = q->q + (size_t)row * q->ldq;
-        qs[a] = q->sc + (size_t)row * q->ng;
-        qc[a] = q->corr + (size_t)row * q->ng;
-    }
-    if (na == 1) {
-        int v = 0;
-        for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
-            PKV_KFN(sc_1xn)(qr, qs, qc, e + v, stride, d, res, ps);
-            for (int u = 0; u < PKV_SC_NV; u++) PKV_KFN(put_lanes)(sbuf, e + v + u, res[u]);
-        }
-        for (; v < ne; v++) {
-            PKV_KFN(sc_1x1)(qr, qs, qc, e + v, stride, d, res, ps);
-            PKV_KFN(put_lanes)(sbuf, e + v, res[0]);
-        }
-        return;
-    }
-    int v = 0;
-    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
-        for (int g = 0; g < ngr; g++) {
-            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
-            PKV_KFN(sc_4xn)(qr + 4 * g, qs + 4 * g, qc + 4 * g, e + v, stride, d, res, ps);
-            for (int r = 0; r < nr; r++)
-                for (int u = 0; u < PKV_SC_NV; u++)
-                    PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
-        }
-    for (; v < ne; v++)
-        for (int g = 0; g < ngr; g++) {
-            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
-            PKV_KFN(sc_4x1)(qr + 4 * g, qs + 4 * g, qc + 4 * g, e + v, stride, d, res, ps);
-            for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
-        }
-}
+/* (instantiated by attn_tile.h: PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)) */

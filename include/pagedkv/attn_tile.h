@@ -70,9 +70,22 @@
  * sums take a second register tile; the running totals are touched once a
  * group, so where registers run out (AVX2) they are the ones that wait in
  * L1. */
+/* A query row as the score micro-kernels take it (a row handle): a pointer
+ * to the row (scaled, as the compute type), or, for integer scores, the
+ * row quantized (attn_dot.h) */
+#if PKV_I8_DOT
+#include "attn_dot.h"
+#define PKV_QROWS PKV_KFN(qrows_t)
+#else
+#define PKV_QROWS PKV_T
+typedef const PKV_T *PKV_KFN(qrow_t);
+/* row `row` of the head's rows q (d values apart) */
+static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { return q + (size_t)row * d; }
+#endif
+
 #if PKV_STORE_SCALED
 #define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
-    static inline void PKV_KFN(NAME)(const PKV_T *const *q, const pkv_kvec *e, size_t stride,      \
+    static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,   \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                           \
         PKV_VEC tot[R][NV];                                                                        \
         const PKV_S *kp[NV];                                                                       \
@@ -101,7 +114,7 @@
 #define PKV_SC_GROUP_PUT(r, v, nv, t) tot[r][v] = PKV_VFMA(t, scv[v], tot[r][v])
 #else
 #define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
-    static inline void PKV_KFN(NAME)(const PKV_T *const *q, const pkv_kvec *e, size_t stride,      \
+    static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,   \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                           \
         PKV_VEC acc[DS][R][NV];                                                                    \
         const PKV_S *kp[NV];                                                                       \
@@ -133,10 +146,14 @@
     MK(pfx##_1xn, 1, NV, 2)             \
     MK(pfx##_1x1, 1, 1, 4)
 
-#if !PKV_I8_DOT /* the integer scores: attn_dot.h, below */
+#if PKV_I8_DOT /* the integer scores of attn_dot.h */
+PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
+#else
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
 #endif
 #undef PKV_SCORES_MK
+#undef PKV_DOT_MK
+#undef PKV_DOT_STEP
 #undef PKV_SC_GROUP_PUT
 #undef PKV_SC_K
 #undef PKV_SC_Q
@@ -153,24 +170,17 @@ static inline void PKV_KFN(put_lanes)(PKV_T *restrict s, const pkv_kvec *e, PKV_
     }
 }
 
-#if PKV_I8_DOT
-/* int8 keys on an integer dot product: the query rows quantized
- * (PKV_KFN(qrows_t)), their micro-kernels and tile_scores */
-#include "attn_dot.h"
-#define PKV_QROWS PKV_KFN(qrows_t)
-#else
-#define PKV_QROWS PKV_T
-/* Scores of rows[0, na) of q (one head, rows d apart) against the key
- * vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
+/* Scores of rows[0, na) of q (one head: rows d apart, or quantized) against
+ * the key vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
  * group of two or three repeats its first row and drops the extra results:
  * one pass over the keys costs less than a pass per row); a single row
  * (multi-head attention decode) has its own tile. */
-static inline void PKV_KFN(tile_scores)(const PKV_T *restrict q, const int *rows, int na,
+static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *rows, int na,
                                         const pkv_kvec *e, int ne, size_t stride, int d,
                                         PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
     PKV_VEC res[4 * PKV_SC_NV];
     if (na == 1) {
-        const PKV_T *qr = q + (size_t)rows[0] * d;
+        const PKV_KFN(qrow_t) qr = PKV_KFN(qrow)(q, rows[0], d);
         int v = 0;
         for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
             PKV_KFN(sc_1xn)(&qr, e + v, stride, d, res, ps);
@@ -185,9 +195,9 @@ static inline void PKV_KFN(tile_scores)(const PKV_T *restrict q, const int *rows
     /* key vectors outer, row groups inner: the NV key vectors' K^T slices stay in
      * L1 while every group of rows reuses them (see tile_values) */
     const int ngr = (na + 3) / 4;
-    const PKV_T *qr[PKV_MAX_ROWS + 4];
+    PKV_KFN(qrow_t) qr[PKV_MAX_ROWS + 4];
     for (int a = 0; a < ngr * 4; a++) /* a short last group repeats its first row */
-        qr[a] = q + (size_t)rows[a < na ? a : a - a % 4] * d;
+        qr[a] = PKV_KFN(qrow)(q, rows[a < na ? a : a - a % 4], d);
     int v = 0;
     for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
         for (int g = 0; g < ngr; g++) {
@@ -204,7 +214,6 @@ static inline void PKV_KFN(tile_scores)(const PKV_T *restrict q, const int *rows
             for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
         }
 }
-#endif /* PKV_I8_DOT */
 
 /* Scores of one key at a time, for blocks narrower than a vector (bs < PKV_W):
  * key slot j of K^T kt is kt[i * stride + j]. */

@@ -307,6 +307,18 @@ def test_sizing_by_bytes(models):
     assert default.cache.num_blocks == 4 * 2048 // 16
 
 
+def _paged_generate(model, prompts, n):
+    """Each prompt's own greedy generate() on a paged_cache of `model`: its n new tokens."""
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            pc = paged_cache(model, num_blocks=16, block_size=BS)
+            o = model.generate(torch.tensor([p]), past_key_values=pc, max_new_tokens=n,
+                               do_sample=False)
+            want.append(o[0, len(p):].tolist())
+    return want
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_16bit_model_matches_paged_generate(dtype):
     """A bfloat16 / float16 model (no model.float()): the tokens of generate() on a
@@ -314,13 +326,7 @@ def test_16bit_model_matches_paged_generate(dtype):
     torch.manual_seed(99)
     model = LlamaForCausalLM(llama_config()).eval().to(dtype)
     prompts = prompt_lists(13, [11, 26, 3])
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            pc = paged_cache(model, num_blocks=16, block_size=BS)
-            o = model.generate(torch.tensor([p]), past_key_values=pc, max_new_tokens=8,
-                               do_sample=False)
-            want.append(o[0, len(p):].tolist())
+    want = _paged_generate(model, prompts, 8)
     b = ContinuousBatcher(model, num_blocks=32, block_size=BS, max_batch_tokens=12)
     rids = [b.add_request(p, 8) for p in prompts]
     out = b.run()
@@ -337,13 +343,7 @@ def test_16bit_model_with_prefix_caching(dtype):
     model = LlamaForCausalLM(llama_config()).eval().to(dtype)
     shared = prompt_lists(15, [33])[0]
     prompts = [shared + t for t in prompt_lists(16, [5, 1, 12])]
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            pc = paged_cache(model, num_blocks=16, block_size=BS)
-            o = model.generate(torch.tensor([p]), past_key_values=pc, max_new_tokens=6,
-                               do_sample=False)
-            want.append(o[0, len(p):].tolist())
+    want = _paged_generate(model, prompts, 6)
     b = ContinuousBatcher(model, num_blocks=64, block_size=BS, prefix_caching=True)
     assert b.cache.dtype_name == str(dtype).split(".")[1]
     first = b.add_request(prompts[0], 6)
