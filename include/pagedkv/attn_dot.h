@@ -1,9 +1,10 @@
 /* pagedkv/attn_dot.h -- int8 keys scored with an integer dot product: the
  * scores of the AVX-512 + VNNI path (vpdpbusd), float32 compute.  Included
- * by attn_tile.h in place of its float score micro-kernels when
- * PKV_I8_DOT is 1 (attention.h instantiates that once: int8 storage,
- * float32 compute, AVX-512 + VNNI); a template like attn_tile.h, no include
- * guard.
+ * by attn_tile.h when PKV_I8_DOT is 1 (attention.h instantiates that once:
+ * int8 storage, float32 compute, AVX-512 + VNNI): the quantized query rows,
+ * their row handle (PKV_KFN(qrow_t)) and the score micro-kernels
+ * (PKV_DOT_MK), which attn_tile.h instantiates and its tile_scores calls in
+ * place of the float ones; a template like attn_tile.h, no include guard.
  *
  * The query is quantized like the keys: each work item turns its rows
  * (already scaled by the softmax scale, attn_math.h load_queries) into int8

@@ -298,6 +298,24 @@ def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ro
         assert_attention_close(out, plain, dtype, vg)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_nan_or_inf_in_a_query_head_stays_in_its_head(kv_dtype):
+    """A NaN or infinity in one query head changes no other head's output, also where the query
+    is rounded to int8; there its group's scale becomes NaN, and so does the head's output."""
+    rng = np.random.default_rng(4)
+    c = _cache(kv_dtype, num_blocks=8, block_size=16, hkv=2, d=64)
+    sid = c.add_sequence()
+    c.append(sid, random_tokens(rng, 40, 2, 64, "float32"), random_tokens(rng, 40, 2, 64, "float32"))
+    for bad in (np.nan, np.inf, -np.inf):
+        q = random_tokens(rng, 1, 8, 64, "float32")
+        clean = [c.attend_batch([sid], q), c.attend(sid, q)]
+        q[0, 3, 37] = bad
+        for out, want in zip((c.attend_batch([sid], q), c.attend(sid, q)), clean):
+            np.testing.assert_array_equal(np.delete(out[0], 3, axis=0), np.delete(want[0], 3, axis=0))
+            if c.quantizes_queries:
+                assert np.isnan(out[0, 3]).all()
+
+
 @pytest.mark.parametrize("bs,d,length", [(16, 128, 300), (5, 70, 97), (64, 33, 130), (300, 64, 700)])
 def test_int8_values_where_every_weight_is_equal(bs, d, length):
     """Zero keys make every weight of a row equal, so attention is the mean of the stored values
