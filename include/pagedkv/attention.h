@@ -124,12 +124,10 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
 
 /* 1 when the kernels of (storage, compute, simd) round the queries to int8 for
  * a pool of block size bs, with or without RoPE: the integer scores of
- * attn_dot.h, which attn_item.h takes where a block row holds a whole vector
- * of keys and the keys are scored as stored (RoPE rotates them into float32
- * first). */
+ * attn_dot.h, in their one instance, where pkv_dot_scores_apply says. */
 static inline int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope) {
-    return storage == PKV_I8 && compute == PKV_F32 && simd == PKV_SIMD_AVX512VNNI && bs >= 16 &&
-           !rope;
+    return storage == PKV_I8 && compute == PKV_F32 && simd == PKV_SIMD_AVX512VNNI &&
+           pkv_dot_scores_apply(bs, rope ? (const void *)1 : NULL);
 }
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */

@@ -33,6 +33,10 @@
  * folded in float32 (their int8 values are exact in float32).
  */
 
+/* the branch of attn_item.h that scores keys as stored takes blocks of at
+ * least one vector of keys: what pkv_dot_scores_apply (attn_args.h) says */
+_Static_assert(PKV_W == 16, "pkv_dot_scores_apply assumes 16-key vectors");
+
 /* The quantized query rows of one head: row a's int8 values at q + a * ldq
  * (ldq >= d, the tail zeroed), its scales and starting sums at sc / corr +
  * a * ng. */

@@ -47,7 +47,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
 #if PKV_I8_DOT
     /* the rows quantized once for the integer scores (keys scored as stored) */
     PKV_KFN(qrows_t) qd = {0};
-    if (!a->rope && bs >= PKV_W) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
+    if (pkv_dot_scores_apply(bs, a->rope)) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
 #else
     (void)qdot;
 #endif
