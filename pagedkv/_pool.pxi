@@ -21,7 +21,9 @@
 # whose last reference goes stays cached on the free queue until it is handed
 # out again; every hand-out bumps the block's generation, so an index entry
 # remembered as (block, generation) is valid exactly while the generation is
-# unchanged.  num_cached_free counts the free blocks still cached.
+# unchanged (a block id that a shrink dropped and a growth adds back starts
+# above the generations it had).  num_cached_free counts the free blocks still
+# cached.
 
 
 cdef class BlockPool:
@@ -39,6 +41,8 @@ cdef class BlockPool:
         int32_t *fq_next          # free queue links; [num_blocks] is the sentinel
         int32_t *fq_prev
         uint32_t *gen             # bumped each time the block is handed out
+        uint32_t gen_floor        # where blocks a resize adds start: above every
+                                  # generation of a block a shrink dropped
         uint8_t *cached           # registered by the prefix cache
         void *_raw[5]
         # cumulative counters
@@ -217,6 +221,12 @@ cdef class BlockPool:
         """Grow or shrink the pool to n blocks; every block >= n must be free."""
         cdef int64_t old = self.num_blocks, i, keep = min(old, n)
         cdef int32_t b
+        # a block id dropped and added back starts above its old generations, so
+        # (block, generation) names one incarnation for the pool's whole life
+        cdef uint32_t floor = self.gen_floor
+        for i in range(keep, old):
+            if self.gen[i] >= floor:
+                floor = self.gen[i] + 1
         cdef void *raw = NULL
         cdef char *arena = <char *>_zalloc(self.geom.block_bytes * <size_t>n, &raw)
         # the free queue, in order, without the blocks that go
@@ -242,6 +252,9 @@ cdef class BlockPool:
             self.refcount[i] = refcount[i]
             self.gen[i] = gen[i]
             self.cached[i] = cached[i]
+        for i in range(keep, n):
+            self.gen[i] = floor
+        self.gen_floor = floor
         # new blocks are handed out after the ones already free
         if not self.lrf:
             for i in range(n - 1, keep - 1, -1):

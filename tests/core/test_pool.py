@@ -392,3 +392,38 @@ def test_debug_snapshot_agrees_with_the_per_item_reads(rng, kv_dtype):
                     [(p.generation(i), p.is_cached(i, p.generation(i)), p.ref_count(i))
                      for i in range(core.num_blocks)], p.num_cached_free)
     assert inner[0] == p.free_blocks()
+
+
+def test_a_block_id_added_back_by_resize_starts_above_its_old_generations(rng):
+    """(block, generation) names one incarnation of a block for the pool's whole life: a block id
+    that a shrink dropped and a growth adds back is handed out at a generation it never had
+    (found by the fuzz programs: a block dropped at generation 1, added back at 0 and handed out
+    again at 1 had the (block, generation) of its old contents)."""
+    c = pagedkv.PagedKVCache(num_blocks=6, block_size=1, num_kv_heads=HKV, head_dim=D,
+                             max_blocks_per_seq=16, prefix_caching=True)
+    p = c._core.pool
+    seen = {}  # block id -> the generations it has had
+
+    def note():
+        for i in range(c.num_blocks):
+            seen.setdefault(i, set()).add(p.generation(i))
+
+    def fill(sid, n):
+        c.append(sid, *rng.standard_normal((2, n, HKV, D)).astype(np.float32))
+        note()
+
+    a = c.add_sequence()
+    fill(a, 5)
+    assert [p.generation(i) for i in range(6)] == [1, 1, 1, 1, 1, 0]
+    for shrink, grow in ((1, 6), (3, 8), (2, 9)):
+        c.truncate(a, 1)
+        before = {i: set(g) for i, g in seen.items()}
+        c.resize(shrink)
+        c.resize(grow)
+        for i in range(shrink, grow):  # added back (or new): above every generation it had
+            assert p.generation(i) > max(before.get(i, {-1})), (shrink, grow, i)
+        b = c.add_sequence()
+        fill(b, grow - 1)
+        for blk in c.block_table(b).tolist():
+            assert p.generation(blk) not in before.get(blk, set()), (shrink, grow, blk)
+        c.free(b)
