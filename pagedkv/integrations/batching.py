@@ -365,12 +365,13 @@ class ContinuousBatcher:
     def run(self) -> Dict[int, List[int]]:
         """Step until every request is done; returns {request id: generated ids} of every
         finished request not returned by an earlier ``run`` (aborted ones left out).  The
-        batcher forgets the requests it returns (``output`` / ``abort`` of their ids then raise
-        KeyError), so a long-lived batcher keeps no finished request once collected."""
+        batcher then forgets the requests it returns and the aborted ones (``output`` /
+        ``abort`` of their ids raise KeyError), so a long-lived batcher keeps no ended request
+        once collected."""
         while self.has_unfinished():
             self.step()
         done = {rid: r.generated for rid, r in self._requests.items() if r.state == "finished"}
-        for rid in done:
+        for rid in [rid for rid, r in self._requests.items() if r.state in ("finished", "aborted")]:
             del self._requests[rid]
         return done
 
