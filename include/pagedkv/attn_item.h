@@ -89,7 +89,8 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
         pkv_pfs_start(ps);                                                                 \
     } while (0)
     const int64_t nunits = (int64_t)ntiles * 2 * nh;
-    if (PKV_PREFETCH_UNITS && nunits > 0) { /* the first unit, at once */
+    const int stream = PKV_PREFETCH_UNITS && nqh < PKV_PF_ROWS_MAX;
+    if (stream && nunits > 0) { /* the first unit, at once */
         PKV_UNIT_SLICES(0, &pfs);
         pkv_pfs_finish(&pfs);
     }
@@ -147,7 +148,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
                  * DRAM and 15-20% slower in cache, on Intel with the stream into L2
                  * it takes f32 decode out of DRAM from 88-92% to 97% of the pattern
                  * read (pfk; benchmarks/c/decode_ceiling.c, prefetch.h). */
-                if (PKV_PREFETCH_UNITS && unit + 1 < nunits &&
+                if (stream && unit + 1 < nunits &&
                     (ph == 1 || pfk || (unit + 1) % (2 * nh) == 0)) {
                     PKV_UNIT_SLICES(unit + 1, &pfs);
                     ps = &pfs;

@@ -151,6 +151,23 @@ PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
 #else
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
 #endif
+/* The 4 x NV tiles once more without the prefetch stream (sc_4xn_np, and
+ * pv_4xn_np below): for items with many rows per head (PKV_PF_ROWS_MAX),
+ * whose loops are better off without the stream's state in registers. */
+#pragma push_macro("PKV_PFS_BEGIN")
+#pragma push_macro("PKV_PFS_STEP")
+#pragma push_macro("PKV_PFS_END")
+#undef PKV_PFS_BEGIN
+#undef PKV_PFS_STEP
+#undef PKV_PFS_END
+#define PKV_PFS_BEGIN(ps) (void)(ps);
+#define PKV_PFS_STEP(n)
+#define PKV_PFS_END(ps)
+#if PKV_I8_DOT
+PKV_DOT_MK(sc_4xn_np, 4, PKV_SC_NV, 1)
+#else
+PKV_SCORES_MK(sc_4xn_np, 4, PKV_SC_NV, 1)
+#endif
 #undef PKV_SCORES_MK
 #undef PKV_DOT_MK
 #undef PKV_DOT_STEP
@@ -202,7 +219,8 @@ static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *
     for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
         for (int g = 0; g < ngr; g++) {
             const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
-            PKV_KFN(sc_4xn)(qr + 4 * g, e + v, stride, d, res, ps);
+            if (ps) PKV_KFN(sc_4xn)(qr + 4 * g, e + v, stride, d, res, ps);
+            else PKV_KFN(sc_4xn_np)(qr + 4 * g, e + v, stride, d, res, ps);
             for (int r = 0; r < nr; r++)
                 for (int u = 0; u < PKV_SC_NV; u++)
                     PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
@@ -307,6 +325,16 @@ typedef struct {
 #endif
 
 PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
+#undef PKV_PFS_BEGIN
+#undef PKV_PFS_STEP
+#undef PKV_PFS_END
+#define PKV_PFS_BEGIN(ps) (void)(ps);
+#define PKV_PFS_STEP(n)
+#define PKV_PFS_END(ps)
+PKV_PV_MK(pv_4xn_np, 4, PKV_PV_NV, 1)
+#pragma pop_macro("PKV_PFS_BEGIN")
+#pragma pop_macro("PKV_PFS_STEP")
+#pragma pop_macro("PKV_PFS_END")
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 #undef PKV_PV_V
@@ -389,8 +417,12 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
     if (R == 4) {
         for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W) {
             PKV_PV_WEIGHTS(i)
-            for (int g = 0; g < ngr; g++)
-                PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
+            if (ps)
+                for (int g = 0; g < ngr; g++)
+                    PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
+            else
+                for (int g = 0; g < ngr; g++)
+                    PKV_KFN(pv_4xn_np)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
         }
         for (; i + PKV_W <= d; i += PKV_W) {
             PKV_PV_WEIGHTS(i)
