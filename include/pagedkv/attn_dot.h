@@ -155,7 +155,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
  * q the rows (int8 values, scales and starting sums), e the key vectors
  * (int8 K^T, scales), results to out[r * NV + v].  Per group, DS
  * independent int32 sets over alternate quads of dimensions. */
-#define PKV_DOT_MK(NAME, R, NV, DS)                                                                \
+#define PKV_DOT_MK(NAME, R, NV, DS, PF)                                                           \
     static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,  \
                                      int d, __m512 *out, pkv_pfs *ps) {                            \
         __m512 tot[R][NV];                                                                         \
@@ -164,7 +164,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
         for (int r = 0; r < R; r++)                                                                \
             for (int v = 0; v < NV; v++) tot[r][v] = _mm512_setzero_ps();                          \
         const int d4 = d & ~3;                                                                     \
-        PKV_PFS_BEGIN(ps)                                                                          \
+        PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int i0 = 0, g = 0; i0 < d4; i0 += PKV_I8_GROUP, g++) {                                \
             const int i1 = d4 - i0 < PKV_I8_GROUP ? d4 : i0 + PKV_I8_GROUP;                        \
             __m512i acc[DS][R][NV];                                                                \

@@ -84,7 +84,7 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 #endif
 
 #if PKV_STORE_SCALED
-#define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
+#define PKV_SCORES_MK(NAME, R, NV, DS, PF)                                                         \
     static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,   \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                           \
         PKV_VEC tot[R][NV];                                                                        \
@@ -92,7 +92,7 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
         for (int v = 0; v < NV; v++) kp[v] = (const PKV_S *)e[v].k;                                \
         for (int r = 0; r < R; r++)                                                                \
             for (int v = 0; v < NV; v++) tot[r][v] = PKV_VZERO();                                  \
-        PKV_PFS_BEGIN(ps)                                                                          \
+        PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {                                             \
             const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;                          \
             PKV_VEC acc[DS][R][NV];                                                                \
@@ -113,7 +113,7 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 /* a group's sum t of row r, key vector v into the row's total */
 #define PKV_SC_GROUP_PUT(r, v, nv, t) tot[r][v] = PKV_VFMA(t, scv[v], tot[r][v])
 #else
-#define PKV_SCORES_MK(NAME, R, NV, DS)                                                             \
+#define PKV_SCORES_MK(NAME, R, NV, DS, PF)                                                         \
     static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,   \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                           \
         PKV_VEC acc[DS][R][NV];                                                                    \
@@ -122,7 +122,7 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
         for (int u = 0; u < DS; u++)                                                               \
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < NV; v++) acc[u][r][v] = PKV_VZERO();                           \
-        PKV_PFS_BEGIN(ps)                                                                          \
+        PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         int i = 0;                                                                                 \
         PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, d)                                     \
         PKV_PFS_END(ps)                                                                            \
@@ -135,38 +135,25 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 #define PKV_SC_Q(r, k) q[r][k]
 #define PKV_SC_PUT(r, v, nv, t) out[r * nv + v] = t
 
-/* The register tiles of a micro-kernel MK(NAME, R, NV, DS), named pfx_4xn,
- * pfx_4x1, pfx_1xn, pfx_1x1: 4 or 1 rows x NV or 1 vectors, and DS
+/* The register tiles of a micro-kernel MK(NAME, R, NV, DS, PF), named
+ * pfx_4xn, pfx_4x1, pfx_1xn, pfx_1x1: 4 or 1 rows x NV or 1 vectors, and DS
  * independent sets of accumulators (over alternate dimensions for scores,
  * alternate keys for P.V) where the tile alone would give fewer than 8
- * chains of multiply-adds (the FMA latency x the FMA units). */
+ * chains of multiply-adds (the FMA latency x the FMA units).  PF 0 compiles
+ * the prefetch stream out: pfx_4xn_np, the 4 x NV tile for items with many
+ * rows per head (PKV_PF_ROWS_MAX), whose loop is better off without the
+ * stream's state in its registers. */
 #define PKV_REGISTER_TILES(MK, pfx, NV) \
-    MK(pfx##_4xn, 4, NV, 1)             \
-    MK(pfx##_4x1, 4, 1, 2)              \
-    MK(pfx##_1xn, 1, NV, 2)             \
-    MK(pfx##_1x1, 1, 1, 4)
+    MK(pfx##_4xn, 4, NV, 1, 1)          \
+    MK(pfx##_4xn_np, 4, NV, 1, 0)       \
+    MK(pfx##_4x1, 4, 1, 2, 1)           \
+    MK(pfx##_1xn, 1, NV, 2, 1)          \
+    MK(pfx##_1x1, 1, 1, 4, 1)
 
 #if PKV_I8_DOT /* the integer scores of attn_dot.h */
 PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
 #else
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
-#endif
-/* The 4 x NV tiles once more without the prefetch stream (sc_4xn_np, and
- * pv_4xn_np below): for items with many rows per head (PKV_PF_ROWS_MAX),
- * whose loops are better off without the stream's state in registers. */
-#pragma push_macro("PKV_PFS_BEGIN")
-#pragma push_macro("PKV_PFS_STEP")
-#pragma push_macro("PKV_PFS_END")
-#undef PKV_PFS_BEGIN
-#undef PKV_PFS_STEP
-#undef PKV_PFS_END
-#define PKV_PFS_BEGIN(ps) (void)(ps);
-#define PKV_PFS_STEP(n)
-#define PKV_PFS_END(ps)
-#if PKV_I8_DOT
-PKV_DOT_MK(sc_4xn_np, 4, PKV_SC_NV, 1)
-#else
-PKV_SCORES_MK(sc_4xn_np, 4, PKV_SC_NV, 1)
 #endif
 #undef PKV_SCORES_MK
 #undef PKV_DOT_MK
@@ -282,7 +269,7 @@ typedef struct {
  * (with PKV_PV_FOLD, the weights times the chunk's group of V scales).  A row
  * whose alpha is 0 is at its first tile: its acc is set, never read (it is
  * not cleared before; tile_softmax's alpha is never 0 after a first tile). */
-#define PKV_PV_MK(NAME, R, NV, JS)                                                                 \
+#define PKV_PV_MK(NAME, R, NV, JS, PF)                                                             \
     static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
                                      const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
                                      pkv_pfs *ps) {                                                \
@@ -295,7 +282,7 @@ typedef struct {
                 for (int u = 1; u < JS; u++) acc[u][r][v] = PKV_VZERO();                           \
             }                                                                                      \
         }                                                                                          \
-        PKV_PFS_BEGIN(ps)                                                                          \
+        PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int ru = 0; ru < nr; ru++) {                                                          \
             const PKV_S *vr = runs[ru].v + (size_t)runs[ru].off * d + i;                           \
             const int n = runs[ru].n, col = runs[ru].col;                                          \
@@ -325,16 +312,6 @@ typedef struct {
 #endif
 
 PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
-#undef PKV_PFS_BEGIN
-#undef PKV_PFS_STEP
-#undef PKV_PFS_END
-#define PKV_PFS_BEGIN(ps) (void)(ps);
-#define PKV_PFS_STEP(n)
-#define PKV_PFS_END(ps)
-PKV_PV_MK(pv_4xn_np, 4, PKV_PV_NV, 1)
-#pragma pop_macro("PKV_PFS_BEGIN")
-#pragma pop_macro("PKV_PFS_STEP")
-#pragma pop_macro("PKV_PFS_END")
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 #undef PKV_PV_V
