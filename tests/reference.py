@@ -74,13 +74,13 @@ def query_as_scored(cache, q, scale):
     """(q, scale) as ``cache``'s kernels score the keys with them.
 
     Where ``cache.quantizes_queries`` (int8 keys on an integer dot product, the documented query
-    rounding), the query is scaled in float32 and each group of 32 values of a head vector is
-    rounded to int8 steps of max |x| / 127 (ties to even); the result holds the rounded values
-    times their steps, already scaled, so the scale to use is 1.  Otherwise q and scale as given.
+    rounding), each group of 32 values of a head vector (in float32, before the softmax scale,
+    which the kernels apply to the scores) is rounded to int8 steps of max |x| / 127 (ties to
+    even); the result holds the rounded values times their steps.  Otherwise q as given.
     """
     if not cache.quantizes_queries:
         return q, scale
-    x = np.asarray(q, dtype=np.float32) * np.float32(scale)
+    x = np.asarray(q, dtype=np.float32)
     out = np.empty(x.shape, dtype=np.float64)
     for g0 in range(0, x.shape[-1], 32):
         g = x[..., g0:g0 + 32]
@@ -89,7 +89,7 @@ def query_as_scored(cache, q, scale):
             inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
         steps = np.rint((g * inv).astype(np.float32))
         out[..., g0:g0 + 32] = steps.astype(np.float64) * (amax / np.float32(127.0)).astype(np.float64)
-    return out, 1.0
+    return out, scale
 
 
 def ref_attention_options(q, k, v, scale, causal_offset, window=None, softcap=None, sinks=None):

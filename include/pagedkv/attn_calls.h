@@ -23,10 +23,19 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
     const pkv_segs sg = a->segs[b];
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
     const int64_t lo = pkv_window_lo(held - 1, a->window), vis = held - lo;
-    PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
     /* the query token is token b of q: load_queries/store_out index tokens from t0 = b;
-     * key chunks split the visible ranks [lo, held) (the window's blocks only) */
-    PKV_KFN(attend_item)(a, b, h0, nh, sc.qbuf, ng, sc.lim, lo + vis * c / nchunk,
+     * key chunks split the visible ranks [lo, held) (the window's blocks only).
+     * Where the item's rows are whole GQA groups of queries in the compute type
+     * and RoPE is off, they lie in q as load_queries would stage them: read in
+     * place (a small call's copy into scratch cost more than its scores' scaling) */
+    const PKV_T *qrows = sc.qbuf;
+    if (!a->rope && !a->qo16 && ng == gsz) {
+        qrows = (const PKV_T *)a->q + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
+        for (int i = 0; i < ng; i++) sc.lim[i] = held - 1;
+    } else {
+        PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
+    }
+    PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                      lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha,
                      sc.qdot, pl->pfk);
     if (nchunk == 1) {
@@ -98,8 +107,11 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         for (it = 0; it < items; it++) PKV_KFN(decode_item)(a, &pl, it);
     }
     if (nchunk == 1) return;
-    /* merge the key chunks of each (sequence, head group, member chunk) */
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    /* merge the key chunks of each (sequence, head group, member chunk); fewer
+     * groups than threads merge on this one: a second parallel region costs a
+     * wake-up of the workers, which with OMP_WAIT_POLICY=passive made B=1 L=512
+     * (2 threads, Intel Xeon) 187 us against 125 us merged here */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && base >= nthreads)
     for (it = 0; it < base; it++) {
         PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
         const int gc = (int)(it % ngc);

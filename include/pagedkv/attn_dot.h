@@ -7,7 +7,7 @@
  * place of the float ones; a template like attn_tile.h, no include guard.
  *
  * The query is quantized like the keys: each work item turns its rows
- * (already scaled by the softmax scale, attn_math.h load_queries) into int8
+ * (as given: the softmax step applies the scale, attn_tile.h) into int8
  * with a float32 scale per group of PKV_I8_GROUP dimensions, scale = the
  * group's largest magnitude / 127, values rounded to nearest (ties to
  * even).  A score is then

@@ -190,7 +190,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
                                                runs[u].off, runs[u].n, runs[u].col, d, sh, ldc);
                     }
                     PKV_KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window,
-                                      (PKV_T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
+                                      (PKV_T)a->scale, (PKV_T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
                                       alpha + hh * na);
                 } else {
                     PKV_KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha + hh * na,

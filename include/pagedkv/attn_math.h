@@ -104,22 +104,23 @@ static inline PKV_T PKV_FN(sexp)(PKV_T x) {
     return P * two_k;
 }
 
-/* p[j] = exp(s[j] - mx) for j < n, in place; returns the sum in double. */
-static inline double PKV_FN(exp_shift)(PKV_T *restrict s, int n, PKV_T mx) {
+/* p[j] = exp(s[j] * c - mx) for j < n, in place (c: the softmax scale still
+ * to apply, 1 where the scores carry it); returns the sum in double. */
+static inline double PKV_FN(exp_shift)(PKV_T *restrict s, int n, PKV_T c, PKV_T mx) {
     int j = 0;
     double sum = 0.0;
-    const PKV_VEC vm = PKV_VSET1(mx);
+    const PKV_VEC vc = PKV_VSET1(c), vm = PKV_VSET1(-mx);
     if (n >= PKV_W) {
         PKV_VEC acc = PKV_VZERO();
         for (; j + PKV_W <= n; j += PKV_W) {
-            const PKV_VEC p = PKV_FN(vexp)(PKV_VSUB(PKV_VLOAD(s + j), vm));
+            const PKV_VEC p = PKV_FN(vexp)(PKV_VFMA(PKV_VLOAD(s + j), vc, vm));
             PKV_VSTORE(s + j, p);
             acc = PKV_VADD(acc, p);
         }
         sum = (double)PKV_VREDUCE(acc);
     }
     for (; j < n; j++) {
-        s[j] = PKV_FN(sexp)(s[j] - mx);
+        s[j] = PKV_FN(sexp)(s[j] * c - mx);
         sum += s[j];
     }
     return sum;
@@ -175,14 +176,14 @@ static inline void PKV_FN(rope_one)(PKV_T *dst, const PKV_T *src, const pkv_rope
 }
 
 /* Query rows of heads [h0, h0 + nh), tokens t0 + [0, nt), group members
- * g0 + [0, ng) into qbuf (head-major, then token, then member), scaled and,
- * with RoPE, rotated to rank rank0 + t.  lim[t * ng + g] = rank0 + t. */
+ * g0 + [0, ng) into qbuf (head-major, then token, then member), as the
+ * compute type and, with RoPE, rotated to rank rank0 + t; not scaled (the
+ * softmax step applies the scale to the scores: one multiply per score, not
+ * per query value).  lim[t * ng + g] = rank0 + t. */
 static inline void PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
                                         int g0, int ng, int64_t rank0, PKV_T *restrict qbuf,
                                         int64_t *lim) {
     const int d = a->d, gsz = a->hq / a->hkv;
-    const PKV_T sc = (PKV_T)a->scale;
-    const PKV_VEC scv = PKV_VSET1(sc);
     for (int hh = 0; hh < nh; hh++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < ng; g++) {
@@ -201,14 +202,8 @@ static inline void PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, 
                     }
                     src = dst;
                 }
-                if (a->rope) {
-                    PKV_FN(rope_one)(dst, src, a->rope, rank0 + t, d);
-                    for (int j = 0; j < d; j++) dst[j] *= sc;
-                } else { /* one pass (a copy then a scale in place stalls on the copy's stores) */
-                    int j = 0;
-                    for (; j + PKV_W <= d; j += PKV_W) PKV_VSTORE(dst + j, PKV_VMUL(PKV_VLOAD(src + j), scv));
-                    for (; j < d; j++) dst[j] = src[j] * sc;
-                }
+                if (a->rope) PKV_FN(rope_one)(dst, src, a->rope, rank0 + t, d);
+                else if (src != dst) memcpy(dst, src, sizeof(PKV_T) * (size_t)d);
             }
     for (int t = 0; t < nt; t++)
         for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;

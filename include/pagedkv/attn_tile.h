@@ -510,12 +510,20 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
 }
 
 /* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
- * (n columns at ranks r, r + 1, ...).  Row i sees ranks (lim[i] - window,
- * lim[i]] (window 0: [0, lim[i]]), at least one of them in this tile (the
- * caller selects the rows); softcap > 0 caps the visible scores first. */
+ * (n columns at ranks r, r + 1, ...), query . key not yet multiplied by the
+ * softmax scale.  Row i sees ranks (lim[i] - window, lim[i]] (window 0:
+ * [0, lim[i]]), at least one of them in this tile (the caller selects the
+ * rows); softcap > 0 caps the visible scaled scores first.  A positive scale
+ * goes into the exp's argument (the max of the scaled scores is the scale
+ * times the max: rounding is monotone); otherwise the scores are scaled in
+ * place first. */
 static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
                                          const int64_t *lim, int64_t r, int n, int64_t window,
-                                         PKV_T softcap, double *m, double *l, PKV_T *restrict alpha) {
+                                         PKV_T scale, PKV_T softcap, double *m, double *l,
+                                         PKV_T *restrict alpha) {
+    const int prescale = softcap > 0 || !(scale > 0);
+    const PKV_T c = prescale ? (PKV_T)1 : scale; /* the scale still to apply */
+    const PKV_VEC vs = PKV_VSET1(scale);
     for (int a = 0; a < na; a++, s += ldc) {
         const int i = rows[a];
         const int64_t c64 = lim[i] - r + 1;
@@ -523,11 +531,16 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         const int64_t s64 = pkv_window_lo(lim[i], window) - r;
         const int st = s64 > 0 ? (int)s64 : 0;
         PKV_T *sv = s + st;
-        if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
-        const PKV_T mx = PKV_FN(row_max)(sv, cnt - st);
+        if (prescale) {
+            int j = 0;
+            for (; j + PKV_W <= cnt - st; j += PKV_W) PKV_VSTORE(sv + j, PKV_VMUL(PKV_VLOAD(sv + j), vs));
+            for (; j < cnt - st; j++) sv[j] *= scale;
+            if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
+        }
+        const PKV_T mx = PKV_FN(row_max)(sv, cnt - st) * c;
         const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
         const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : PKV_FN(sexp)((PKV_T)(m[i] - m_new));
-        const double psum = PKV_FN(exp_shift)(sv, cnt - st, (PKV_T)m_new);
+        const double psum = PKV_FN(exp_shift)(sv, cnt - st, c, (PKV_T)m_new);
         for (int j = 0; j < st; j++) s[j] = 0;  /* before the window */
         for (int j = cnt; j < n; j++) s[j] = 0; /* causally masked */
         l[i] = l[i] * (double)al + psum;

@@ -70,14 +70,15 @@ typedef struct {
 } opts_t;
 
 /* A float32 query vector as the integer-dot kernels see it (attn_dot.h):
- * scaled in float32, then per group of 32 dimensions rounded to int8 steps
- * of max |x| / 127; qv becomes the quantized values times their scales. */
-static void quantize_query(double *qv, int d, double scale) {
+ * per group of 32 dimensions rounded to int8 steps of max |x| / 127 (the
+ * softmax scale applies to the scores afterwards); qv becomes the quantized
+ * values times their scales. */
+static void quantize_query(double *qv, int d) {
     for (int i0 = 0; i0 < d; i0 += PKV_I8_GROUP) {
         const int i1 = d - i0 < PKV_I8_GROUP ? d : i0 + PKV_I8_GROUP;
         float amax = 0.0f;
         for (int i = i0; i < i1; i++) {
-            qv[i] = (double)((float)qv[i] * (float)scale);
+            qv[i] = (double)(float)qv[i];
             if (fabsf((float)qv[i]) > amax) amax = fabsf((float)qv[i]);
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, qs = amax / 127.0f;
@@ -88,7 +89,7 @@ static void quantize_query(double *qv, int d, double scale) {
 /* out [hq][d] for query q [hq][d] (at element qoff) of sequence s at rank
  * lim (sees ranks 0..lim, or (lim - window, lim]) with keys k from ref_keys;
  * *vmax = max |v| over what it reads.  quant: the query as quantize_query
- * leaves it (then already scaled). */
+ * leaves it. */
 static void ref_one(const config *c, int s, int layer, const double *k, const void *q, size_t qoff,
                     int64_t lim, double scale, const opts_t *o, int quant, double *out, double *vmax) {
     const int d = c->d, gsz = c->hq / c->hkv;
@@ -99,14 +100,14 @@ static void ref_one(const config *c, int s, int layer, const double *k, const vo
         const int kh = h / gsz;
         for (int j = 0; j < d; j++) qv[j] = get(q, qoff + (size_t)h * d + j, c->dt);
         if (c->rope_half) ref_rope(c, qv, lim);
-        if (quant) quantize_query(qv, d, scale);
+        if (quant) quantize_query(qv, d);
         double mx = -INFINITY;
         const int64_t lo = o->window > 0 && lim - o->window + 1 > 0 ? lim - o->window + 1 : 0;
         for (int64_t r = lo; r <= lim; r++) {
             const double *kv = k + (size_t)r * tok + (size_t)kh * d;
             double sc = 0;
             for (int j = 0; j < d; j++) sc += qv[j] * kv[j];
-            p[r] = quant ? sc : sc * scale;
+            p[r] = sc * scale;
             if (o->softcap > 0) p[r] = o->softcap * tanh(p[r] / o->softcap);
             if (p[r] > mx) mx = p[r];
         }
@@ -359,7 +360,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
 typedef double (*exp_shift_fn)(void *, int, double);
 #define EXP_WRAP(tag)                                                                       \
     static double exp_wrap##tag(void *s, int n, double mx) {                                \
-        return exp_shift##tag((PKV_CAT(ctype, tag) *)s, n, (PKV_CAT(ctype, tag))mx);        \
+        return exp_shift##tag((PKV_CAT(ctype, tag) *)s, n, 1, (PKV_CAT(ctype, tag))mx);     \
     }
 typedef float ctype_f32_scalar;
 typedef double ctype_f64_scalar;
