@@ -252,3 +252,13 @@ def test_demo_serve_runs(capsys):
 
 def test_demo_serve_rejects_bad_counts(capsys):
     assert main(["demo", "--serve", "--requests", "0"]) == 2
+
+
+def test_bench_targets_show_the_small_call_against_its_pattern_read():
+    from pagedkv.benchmarks import runner
+    t = {"decode": [], "decode_kv": [], "decode_l2": [], "prefill": None, "append": None,
+         "small_call": [{"dtype": "float32", "threads": 1, "us_per_call": 3.0,
+                         "pattern_us_per_call": 1.2, "torch_us_per_call": 9.0,
+                         "ratio_vs_torch": 3.0}]}
+    row = [line for line in runner.format_targets(t).splitlines() if "small call" in line]
+    assert len(row) == 1 and "2.5x its pattern read (1.20 µs)" in row[0]

@@ -331,8 +331,10 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
             if r is None:
                 continue
             tr = r["results"].get(decode_suite.TORCH)
+            pat = r["results"].get(decode_suite.PATTERN)
             out["small_call"].append({
                 "dtype": dtype, "threads": t, "us_per_call": r["results"][PAGEDKV]["median_s"] * 1e6,
+                "pattern_us_per_call": pat["median_s"] * 1e6 if pat else None,
                 "torch_us_per_call": tr["median_s"] * 1e6 if tr else None,
                 "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
     r = _find(records, suite="prefill", dtype="float32", L=2048, threads=tmax)
@@ -385,8 +387,11 @@ def format_targets(t: dict) -> str:
                      f"{fmt_pct(d['pct_peak'])} of the {d['peak_kind']} peak",
                      f"peak {fmt_num(d['peak_lanes_per_s'] / 1e9)} G lanes/s ({d['simd']})", ""])
     for d in t["small_call"]:
+        pat = d.get("pattern_us_per_call")
         rows.append([f"small call {short_dtype(d['dtype'])} B=1 L=16", str(d["threads"]),
-                     fmt_time(d["us_per_call"] * 1e-6), "per attend_batch call",
+                     fmt_time(d["us_per_call"] * 1e-6),
+                     "per attend_batch call" + (f", {d['us_per_call'] / pat:.1f}x its pattern read "
+                                                f"({fmt_time(pat * 1e-6)})" if pat else ""),
                      "torch-sdpa " + fmt_time(d["torch_us_per_call"] * 1e-6
                                               if d["torch_us_per_call"] is not None else None),
                      fmt_ratio(d["ratio_vs_torch"])])
