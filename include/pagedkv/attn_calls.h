@@ -35,10 +35,17 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
     } else {
         PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
     }
-    PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
-                     lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha,
-                     sc.qdot, pl->pfk);
-    if (nchunk == 1) {
+    /* where P.V may write the finished rows (attend_item): the output, or acc
+     * for 16-bit outputs (rounded from there: the same float32 values) */
+    PKV_T *orows = NULL;
+    if (nchunk == 1 && ng == gsz)
+        orows = a->qo16 ? sc.acc : (PKV_T *)a->out + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
+    const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
+                                          lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
+                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, orows);
+    if (done) {
+        if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
+    } else if (nchunk == 1) {
         PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, sc.l, sc.m);
     } else {
         char *p = (char *)a->partial + (size_t)it * slot_bytes;
@@ -161,7 +168,8 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read */
     PKV_KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
-                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0);
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
+                     NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

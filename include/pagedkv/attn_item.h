@@ -18,12 +18,19 @@
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
  * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
  * prefetch their next unit too (decode out of memory, where the stream goes
- * into L2). */
-static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
-                                 const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
-                                 int64_t rend, PKV_T *restrict acc, double *m, double *l,
-                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                 char *restrict qdot, int pfk) {
+ * into L2).
+ *
+ * out: where the item's finished rows may go (decode of whole GQA groups, no
+ * key split: the output rows, or acc), or NULL.  When the item's keys make
+ * one tile that every row sees, each head's softmax sums are final before
+ * its P.V: the weights are divided by them and P.V writes finished rows to
+ * out (no pass over acc afterwards); returns 1 then, else 0 (acc holds the
+ * unnormalized rows, m and l their softmax state). */
+static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
+                                const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
+                                int64_t rend, PKV_T *restrict acc, double *m, double *l,
+                                PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
+                                char *restrict qdot, int pfk, PKV_T *restrict out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
@@ -68,6 +75,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
     const int64_t nent = (bhi[0] - blo[0]) + (bhi[1] - blo[1]);
     const int64_t nent0 = bhi[0] - blo[0];
     const int ntiles = (int)((nent + tb - 1) / tb);
+    if (ntiles != 1) out = NULL;
     int rows[PKV_MAX_ROWS];
     PKV_KFN(run_t) runs[PKV_TILE_KEYS];
     int64_t bidx[PKV_TILE_KEYS];
@@ -123,6 +131,7 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
         int na = 0;
         for (int i = 0; i < nqh; i++)
             if (lim[i] >= tile_r0 && pkv_window_lo(lim[i], a->window) < tile_r0 + nk) rows[na++] = i;
+        if (na < nqh) out = NULL; /* a row this tile does not reach: acc it is */
         if (na == 0) continue;
 #if PKV_STORE_SCALED
         if (g0 + cnt < nent) { /* the next tile's scales (the streams fetch the values) */
@@ -192,15 +201,22 @@ static void PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int 
                     PKV_KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window,
                                       (PKV_T)a->scale, (PKV_T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
                                       alpha + hh * na);
+                    if (out) /* the only tile: its sums are the rows' denominators */
+                        for (int r = 0; r < na; r++)
+                            PKV_FN(scale_row)(sh + (size_t)r * ldc, nk,
+                                              PKV_FN(inv_denominator)(a, h0 + hh, r, l[hh * nqh + r],
+                                                                      m[hh * nqh + r]));
                 } else {
-                    PKV_KFN(tile_values)(acc + (size_t)hh * nqh * d, rows, na, sh, ldc, alpha + hh * na,
-                                     runs, cnt, (size_t)bs, d, kbuf, ps);
+                    PKV_KFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
+                                     alpha + hh * na, runs, cnt, (size_t)bs, d, kbuf, ps);
                 }
                 if (ps) pkv_pfs_finish(ps);
             }
         }
     }
 #undef PKV_UNIT_SLICES
+    if (out) return 1;
     for (int i = 0; i < nq; i++)
         if (m[i] == -INFINITY) memset(acc + (size_t)i * d, 0, sizeof(PKV_T) * (size_t)d);
+    return 0;
 }

@@ -209,9 +209,25 @@ static inline void PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, 
         for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
 }
 
+/* 1 / the softmax denominator of query head h * gsz + g (kv head h, group
+ * member g): its sum l and, with learned sinks, exp(sink - m) */
+static inline PKV_T PKV_FN(inv_denominator)(const pkv_attn_args *a, int h, int g, double l, double m) {
+    double den = l;
+    if (a->sinks) den += exp(a->sinks[(size_t)h * (a->hq / a->hkv) + g] - m);
+    return (PKV_T)(1.0 / den);
+}
+
+/* s[0, n) *= f */
+static inline void PKV_FN(scale_row)(PKV_T *restrict s, int n, PKV_T f) {
+    const PKV_VEC vf = PKV_VSET1(f);
+    int j = 0;
+    for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(s + j, PKV_VMUL(PKV_VLOAD(s + j), vf));
+    for (; j < n; j++) s[j] *= f;
+}
+
 /* out rows (same layout as load_queries) = acc / l, rounded once to 16 bits
  * when the arrays are; with learned sinks the denominator also takes
- * exp(sink of the row's query head - m). */
+ * exp(sink of the row's query head - m).  l NULL: acc is normalized already. */
 static inline void PKV_FN(store_out)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
                                      int g0, int ng, const PKV_T *acc, const double *l, const double *m) {
     const int d = a->d, gsz = a->hq / a->hkv;
@@ -220,9 +236,7 @@ static inline void PKV_FN(store_out)(const pkv_attn_args *a, int h0, int nh, int
             for (int g = 0; g < ng; g++) {
                 const size_t i = ((size_t)hh * nt + t) * ng + g;
                 const size_t at = ((size_t)(t0 + t) * a->hq + (size_t)(h0 + hh) * gsz + g0 + g) * d;
-                double den = l[i];
-                if (a->sinks) den += exp(a->sinks[(size_t)(h0 + hh) * gsz + g0 + g] - m[i]);
-                const PKV_T inv = (PKV_T)(1.0 / den);
+                const PKV_T inv = l ? PKV_FN(inv_denominator)(a, h0 + hh, g0 + g, l[i], m[i]) : (PKV_T)1;
                 if (a->qo16 == PKV_BF16) {
                     uint16_t *dst = (uint16_t *)a->out + at;
                     for (int j = 0; j < d; j++) dst[j] = pkv_f32_to_bf16((float)(acc[i * d + j] * inv));
