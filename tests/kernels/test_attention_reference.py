@@ -256,6 +256,31 @@ def test_explicit_scale_and_out(rng, block_size, dtype):
         assert_attention_close(out[b : b + 1], expected, dtype, model.v[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [0.7, -0.4, 0.0])
+def test_out_may_be_the_query_array(rng, dtype, scale):
+    """out=q: decode reads the query rows in place, and a sequence whose keys fit one tile
+    gets its output rows written by P.V; the result is that of separate arrays.  Scales of
+    either sign (a non-positive scale multiplies the scores before the softmax's max)."""
+    lengths = [5, 64, 150]  # one partial tile, one whole tile, several tiles
+    cache, sids, models = build_random_cache(
+        rng, lengths=lengths, block_size=16, num_kv_heads=2, head_dim=24, dtype=dtype)
+    q = random_tokens(rng, len(sids), 8, 24, dtype)
+    want = cache.attend_batch(sids, q.copy(), scale=scale)
+    for b, sid in enumerate(sids):
+        model = models[sid]
+        ref = ref_attention(q[b : b + 1], model.k[0], model.v[0], scale, len(model) - 1)
+        assert_attention_close(want[b : b + 1], ref, dtype, model.v[0])
+    got = cache.attend_batch(sids, q, scale=scale, out=q)
+    assert got is q
+    np.testing.assert_array_equal(got, want)
+    for b, sid in enumerate(sids):
+        one = q[b : b + 1].copy()
+        expected = cache.attend(sid, one.copy(), scale=scale)
+        assert cache.attend(sid, one, scale=scale, out=one) is one
+        np.testing.assert_array_equal(one, expected)
+
+
 def test_scale_changes_result(rng):
     cache, sids, models = build_random_cache(
         rng, lengths=[20], block_size=4, num_kv_heads=1, head_dim=8, dtype="float64"
