@@ -25,12 +25,16 @@
  * one tile that every row sees, each head's softmax sums are final before
  * its P.V: the weights are divided by them and P.V writes finished rows to
  * out (no pass over acc afterwards); returns 1 then, else 0 (acc holds the
- * unnormalized rows, m and l their softmax state). */
+ * unnormalized rows, m and l their softmax state).  q, acc and out are not
+ * restrict: q may be the caller's query array and out the output array, which
+ * may be the same (attend_batch(..., out=q)); out may be acc.  Every read of
+ * q (the scores of the tile's heads) comes before the first write to out
+ * (their P.V). */
 static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int nh,
-                                const PKV_T *restrict q, int nqh, const int64_t *lim, int64_t rbeg,
-                                int64_t rend, PKV_T *restrict acc, double *m, double *l,
+                                const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
+                                int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, PKV_T *restrict out) {
+                                char *restrict qdot, int pfk, PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
