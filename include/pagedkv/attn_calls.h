@@ -24,17 +24,8 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
     const int64_t held = (sg.a1 - sg.a0) + (sg.b1 - sg.b0);
     const int64_t lo = pkv_window_lo(held - 1, a->window), vis = held - lo;
     /* the query token is token b of q: load_queries/store_out index tokens from t0 = b;
-     * key chunks split the visible ranks [lo, held) (the window's blocks only).
-     * Where the item's rows are whole GQA groups of queries in the compute type
-     * and RoPE is off, they lie in q as load_queries would stage them: read in
-     * place (a small call's copy into scratch cost more than its scores' scaling) */
-    const PKV_T *qrows = sc.qbuf;
-    if (!a->rope && !a->qo16 && ng == gsz) {
-        qrows = (const PKV_T *)a->q + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
-        for (int i = 0; i < ng; i++) sc.lim[i] = held - 1;
-    } else {
-        PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
-    }
+     * key chunks split the visible ranks [lo, held) (the window's blocks only) */
+    const PKV_T *qrows = PKV_FN(load_queries)(a, h0, nh, b, 1, g0, ng, held - 1, sc.qbuf, sc.lim);
     /* where P.V may write the finished rows (attend_item): the output, or acc
      * for 16-bit outputs (rounded from there: the same float32 values) */
     PKV_T *orows = NULL;
@@ -164,10 +155,10 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
     const int64_t t0 = tile * tq;
     const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
-    PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
+    const PKV_T *qrows = PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read */
-    PKV_KFN(attend_item)(a, 0, h, 1, sc.qbuf, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
+    PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
                      NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);

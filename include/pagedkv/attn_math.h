@@ -175,15 +175,22 @@ static inline void PKV_FN(rope_one)(PKV_T *dst, const PKV_T *src, const pkv_rope
     for (i = 2 * half; i < d; i++) dst[i] = src[i];
 }
 
-/* Query rows of heads [h0, h0 + nh), tokens t0 + [0, nt), group members
- * g0 + [0, ng) into qbuf (head-major, then token, then member), as the
- * compute type and, with RoPE, rotated to rank rank0 + t; not scaled (the
- * softmax step applies the scale to the scores: one multiply per score, not
- * per query value).  lim[t * ng + g] = rank0 + t. */
-static inline void PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int64_t t0, int nt,
-                                        int g0, int ng, int64_t rank0, PKV_T *restrict qbuf,
-                                        int64_t *lim) {
+/* The query rows of heads [h0, h0 + nh), tokens t0 + [0, nt), group members
+ * g0 + [0, ng), head-major, then token, then member, as the compute type and,
+ * with RoPE, rotated to rank rank0 + t; not scaled (the softmax step applies
+ * the scale to the scores: one multiply per score, not per query value).
+ * Returns where they are: in q itself when they lie there in that order (one
+ * token, whole GQA groups, no RoPE, queries in the compute type: a small
+ * decode call's copy cost more than its scores), else staged in qbuf.
+ * lim[t * ng + g] = rank0 + t. */
+static inline const PKV_T *PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, int64_t t0,
+                                                int nt, int g0, int ng, int64_t rank0,
+                                                PKV_T *restrict qbuf, int64_t *lim) {
     const int d = a->d, gsz = a->hq / a->hkv;
+    for (int t = 0; t < nt; t++)
+        for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
+    if (nt == 1 && ng == gsz && !a->rope && !a->qo16)
+        return (const PKV_T *)a->q + ((size_t)t0 * a->hq + (size_t)h0 * gsz) * d;
     for (int hh = 0; hh < nh; hh++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < ng; g++) {
@@ -205,8 +212,7 @@ static inline void PKV_FN(load_queries)(const pkv_attn_args *a, int h0, int nh, 
                 if (a->rope) PKV_FN(rope_one)(dst, src, a->rope, rank0 + t, d);
                 else if (src != dst) memcpy(dst, src, sizeof(PKV_T) * (size_t)d);
             }
-    for (int t = 0; t < nt; t++)
-        for (int g = 0; g < ng; g++) lim[t * ng + g] = rank0 + t;
+    return qbuf;
 }
 
 /* 1 / the softmax denominator of query head h * gsz + g (kv head h, group

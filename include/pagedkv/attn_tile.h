@@ -523,7 +523,6 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
                                          PKV_T *restrict alpha) {
     const int prescale = softcap > 0 || !(scale > 0);
     const PKV_T c = prescale ? (PKV_T)1 : scale; /* the scale still to apply */
-    const PKV_VEC vs = PKV_VSET1(scale);
     for (int a = 0; a < na; a++, s += ldc) {
         const int i = rows[a];
         const int64_t c64 = lim[i] - r + 1;
@@ -532,9 +531,7 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         const int st = s64 > 0 ? (int)s64 : 0;
         PKV_T *sv = s + st;
         if (prescale) {
-            int j = 0;
-            for (; j + PKV_W <= cnt - st; j += PKV_W) PKV_VSTORE(sv + j, PKV_VMUL(PKV_VLOAD(sv + j), vs));
-            for (; j < cnt - st; j++) sv[j] *= scale;
+            PKV_FN(scale_row)(sv, cnt - st, scale);
             if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
         }
         const PKV_T mx = PKV_FN(row_max)(sv, cnt - st) * c;
