@@ -11,6 +11,7 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_AVX512
         PKV_SIMD_NEON
         PKV_SIMD_AVX512VNNI
+        PKV_SIMD_AVXVNNI
     int pkv_detect_simd()
     int pkv_simd_supported(int simd)
 

@@ -80,13 +80,15 @@ class OutOfBlocksError(MemoryError):
 # SIMD selection and threads
 
 cdef int _simd_detected = pkv_detect_simd()
-# indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd
-_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni")
+# indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd,
+# "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni")
+_SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "avx512", "avx512vnni")
 
 
 def simd_supported():
     """SIMD paths this machine can run, slowest first."""
-    return [name for i, name in enumerate(_SIMD_NAMES) if pkv_simd_supported(i)]
+    return [name for name in _SIMD_SLOWEST_FIRST if pkv_simd_supported(_SIMD_NAMES.index(name))]
 
 
 def _choose_simd():
@@ -108,7 +110,8 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 
 def simd_backend():
-    """Name of the active SIMD path: 'scalar', 'avx2', 'avx512', 'avx512vnni' or 'neon'."""
+    """Name of the active SIMD path: 'scalar', 'avx2', 'avxvnni', 'avx512', 'avx512vnni' or
+    'neon'."""
     return _SIMD_NAMES[_simd]
 
 
@@ -316,8 +319,9 @@ cdef class CacheCore:
     def quantizes_queries(self):
         """True when attention rounds the queries to int8 (a float32 scale per
         32 values) to score int8 keys with an integer dot product: int8
-        storage, float32 compute, the "avx512vnni" path, block_size >= 16, no
-        RoPE (include/pagedkv/attn_dot.h)."""
+        storage, float32 compute, an integer dot path ("avx512vnni" with
+        block_size >= 16, "avxvnni" with block_size >= 8), no RoPE
+        (include/pagedkv/attn_dot.h)."""
         return bool(pkv_quantizes_queries(self.storage, self.compute, _simd, self.block_size,
                                           self.has_rope))
 

@@ -208,9 +208,10 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
 
     kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
     are built on (one multiply-add of one lane counts 1); "dpbusd", the
-    integer dot product of the "avx512vnni" path's int8 scores (vpdpbusd: 64
-    byte products per instruction, each counts 1).  simd: the path
-    ("scalar", "avx2", "avx512", "avx512vnni", "neon"; None: the active one,
+    integer dot product of the VNNI paths' int8 scores (vpdpbusd: 64 byte
+    products per instruction on "avx512vnni", 32 on "avxvnni", each counts
+    1).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
+    "avx512vnni", "neon"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop
@@ -253,7 +254,7 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     """Seconds one run of the probe took; checks the lanes it counted and its
     checksum: with a = 0.5, b = 1 every FMA lane ends at exactly 2 after >= 256
     rounds (2^-256 times any start is below half an ulp of 2); every dpbusd
-    int32 lane k (k < 192 per thread, 16 per chain) ends at k + 4 * iters."""
+    int32 lane k (16 or 8 per chain) ends at k + 4 * iters."""
     import time
     cdef uint64_t lanes
     cdef double total = 0.0
@@ -262,7 +263,7 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
         lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
     dt = time.perf_counter() - t0
     if k == PKV_PEAK_DPBUSD:
-        n32 = PKV_PEAK_CHAINS * 16
+        n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 4  # int32 lanes, 4 products each
         want = float(nt * (n32 * (n32 - 1) // 2 + n32 * 4 * iters))
     else:
         want = 2.0 * per_round

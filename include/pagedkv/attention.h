@@ -26,12 +26,22 @@
 #include "attn_vocab_end.h"
 
 #if PKV_X86
-/* ---- AVX2 + FMA --------------------------------------------------------- */
+/* ---- AVX2 + FMA; AVX2 + AVX-VNNI: AVX2's kernels, but int8 keys in float32
+ * scored with the VEX-encoded vpdpbusd on a quantized query (attn_dot.h) -- */
 #define PKV_T_F64 0
 #include "vocab_avx2.h"
 PKV_TARGET_BEGIN(PKV_AVX2_TARGET)
 #include "attn_instances.h"
 PKV_TARGET_END
+#define PKV_I8_DOT 1
+#define PKV_DOT_ISA PKV_DOT_VNNI256
+#define PKV_DOT_TAG _f32_avxvnni
+PKV_TARGET_BEGIN(PKV_AVXVNNI_TARGET)
+#include "attn_instances.h"
+PKV_TARGET_END
+#undef PKV_I8_DOT
+#undef PKV_DOT_ISA
+#undef PKV_DOT_TAG
 #include "attn_vocab_end.h"
 #define PKV_T_F64 1
 #include "vocab_avx2.h"
@@ -60,11 +70,13 @@ PKV_TARGET_END
 #define PKV_T_F64 0
 #include "vocab_avx512.h"
 #define PKV_I8_DOT 1
+#define PKV_DOT_ISA PKV_DOT_VNNI512
 #define PKV_DOT_TAG _f32_avx512vnni
 PKV_TARGET_BEGIN(PKV_AVX512VNNI_TARGET)
 #include "attn_instances.h"
 PKV_TARGET_END
 #undef PKV_I8_DOT
+#undef PKV_DOT_ISA
 #undef PKV_DOT_TAG
 #include "attn_vocab_end.h"
 #endif /* PKV_X86 */
@@ -90,12 +102,13 @@ typedef struct {
 
 #define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
 /* the vector paths built for this architecture, as designated entries
- * (AVX-512 + VNNI runs AVX-512's kernels, but for int8 keys in float32) */
+ * (the VNNI paths run the kernels of the path below them, but for int8 keys
+ * in float32) */
 #if PKV_X86
-#define PKV_KERNELS_X86(st, ct, vnni)                                                             \
-    [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), \
-    [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni)
-#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx512)
+#define PKV_KERNELS_X86(st, ct, avx2, vnni256, avx512, vnni512)                                    \
+    [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVXVNNI] = PKV_KERNELS(st, ct, vnni256), \
+    [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni512)
+#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512)
 #elif PKV_ARM64
 #define PKV_KERNELS_SIMD(st, ct) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon)
 #else
@@ -115,19 +128,25 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
     [PKV_F16][PKV_F64] = PKV_KERNELS_ALL(f16, f64),
 #if PKV_X86
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
-                         PKV_KERNELS_X86(i8, f32, avx512vnni)},
+                         PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni)},
 #else
     [PKV_I8][PKV_F32] = PKV_KERNELS_ALL(i8, f32),
 #endif
     [PKV_I8][PKV_F64] = PKV_KERNELS_ALL(i8, f64),
 };
 
+/* 1 when path `simd` scores int8 keys in float32 with an integer dot
+ * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI */
+static inline int pkv_simd_int8_dot(int simd) {
+    return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI;
+}
+
 /* 1 when the kernels of (storage, compute, simd) round the queries to int8 for
  * a pool of block size bs, with or without RoPE: the integer scores of
- * attn_dot.h, in their one instance, where pkv_dot_scores_apply says. */
+ * attn_dot.h, in their instances, where pkv_dot_scores_apply says. */
 static inline int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope) {
-    return storage == PKV_I8 && compute == PKV_F32 && simd == PKV_SIMD_AVX512VNNI &&
-           pkv_dot_scores_apply(bs, rope ? (const void *)1 : NULL);
+    return storage == PKV_I8 && compute == PKV_F32 && pkv_simd_int8_dot(simd) &&
+           pkv_dot_scores_apply(bs, rope ? (const void *)1 : NULL, pkv_simd_f32_lanes(simd));
 }
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */

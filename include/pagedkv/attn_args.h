@@ -181,12 +181,12 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
     return PKV_ALIGN_UP(2 * sizeof(double) * PKV_MAX_ROWS + (size_t)PKV_MAX_ROWS * d * itemsize);
 }
 
-/* Where the integer scores of attn_dot.h run in their instance (int8 keys,
- * float32 compute, AVX-512 + VNNI): blocks whose K^T rows hold a whole
- * 16-key vector, keys scored as stored (RoPE rotates them into float32
- * first).  attn_item.h takes that branch; pkv_quantizes_queries (attention.h)
- * tells the callers. */
-static inline int pkv_dot_scores_apply(int bs, const void *rope) { return bs >= 16 && !rope; }
+/* Where the integer scores of attn_dot.h run in their instances (int8 keys,
+ * float32 compute, an integer dot path): blocks whose K^T rows hold a whole
+ * vector of w keys (PKV_W), keys scored as stored (RoPE rotates them into
+ * float32 first).  attn_item.h takes that branch; pkv_quantizes_queries
+ * (attention.h) tells the callers. */
+static inline int pkv_dot_scores_apply(int bs, const void *rope, int w) { return bs >= w && !rope; }
 
 /* The query rows quantized for integer scores (attn_dot.h): int8 values,
  * whole groups of PKV_I8_GROUP per row, then a float32 scale and an int32

@@ -1,10 +1,11 @@
-/* pagedkv/attn_dot.h -- int8 keys scored with an integer dot product: the
- * scores of the AVX-512 + VNNI path (vpdpbusd), float32 compute.  Included
- * by attn_tile.h when PKV_I8_DOT is 1 (attention.h instantiates that once:
- * int8 storage, float32 compute, AVX-512 + VNNI): the quantized query rows,
- * their row handle (PKV_KFN(qrow_t)) and the score micro-kernels
- * (PKV_DOT_MK), which attn_tile.h instantiates and its tile_scores calls in
- * place of the float ones; a template like attn_tile.h, no include guard.
+/* pagedkv/attn_dot.h -- int8 keys scored with an integer dot product,
+ * float32 compute.  Included by attn_tile.h when PKV_I8_DOT is 1 (attention.h
+ * instantiates that once per integer path, PKV_DOT_ISA naming it: vpdpbusd
+ * of AVX-512 + VNNI on 16 keys a vector, of AVX-VNNI on 8): the
+ * quantized query rows, their row handle (PKV_KFN(qrow_t)) and the score
+ * micro-kernels (PKV_DOT_MK), which attn_tile.h instantiates and its
+ * tile_scores calls in place of the float ones; a template like
+ * attn_tile.h, no include guard.
  *
  * The query is quantized like the keys: each work item turns its rows
  * (as given: the softmax step applies the scale, attn_tile.h) into int8
@@ -15,27 +16,55 @@
  *     sum over groups g of  kscale[g] * qscale[g] * sum_{i in g} k_i * q_i
  *
  * with the inner sums exact in int32 (32 products of at most 127 * 128).
- * That is the accuracy cost of this path: the query's rounding, documented
- * in docs/performance.md; PAGEDKV_SIMD=avx512 computes with the query as it
- * is.  NaN or infinity in a query group makes its row's scores NaN.
+ * That is the accuracy cost of these paths: the query's rounding, the same
+ * on each of them (their scores are the same bits), documented in
+ * docs/performance.md; PAGEDKV_SIMD=avx512 or avx2 computes with the query
+ * as it is.  NaN or infinity in a query group makes
+ * its row's scores NaN.
+ *
+ * Four dimensions of one key share an int32 lane, while K^T holds one
+ * dimension of consecutive keys per row (types.h): each load of 4 rows x
+ * PKV_W keys is transposed in registers (kquad), shared by every query row
+ * of the register tile.  The stored layout is the same on every path, so
+ * pools and files move between machines unchanged.  Dimensions past the
+ * last multiple of 4 are folded in float32 (their int8 values are exact in
+ * float32).
  *
  * vpdpbusd multiplies unsigned by signed bytes, four consecutive bytes per
  * int32 lane.  The keys are the unsigned side: a stored key byte k is read
  * as k + 128 (its top bit flipped), and each group's sum starts at -128 *
  * (the sum of the row's int8 values over the group) to take the offset off
- * again.  Four dimensions of one key must share a lane, while K^T holds
- * one dimension of consecutive keys per row (types.h): each load of 4 rows
- * x 16 keys (one 64-byte load when a block row is 16 keys, four 16-byte
- * loads otherwise) is transposed in registers by a dword permute and an
- * in-lane byte shuffle, shared by every query row of the register tile.
- * The stored layout is the same on every path, so pools and files move
- * between machines unchanged.  Dimensions past the last multiple of 4 are
- * folded in float32 (their int8 values are exact in float32).
+ * again.
+ *
+ * Plain AVX2 keeps the float scores: vpmaddubsw (unsigned x signed bytes
+ * into saturating int16 pairs, so |k| times q with k's sign, then vpmaddwd
+ * to int32: four instructions per vector of products where vpdpbusd takes
+ * one) measured no faster than converting the keys to float32 on an Intel
+ * Xeon (docs/performance.md).
  */
+#define PKV_DOT_VNNI512 1
+#define PKV_DOT_VNNI256 2
 
-/* the branch of attn_item.h that scores keys as stored takes blocks of at
- * least one vector of keys: what pkv_dot_scores_apply (attn_args.h) says */
-_Static_assert(PKV_W == 16, "pkv_dot_scores_apply assumes 16-key vectors");
+/* the integer vocabulary of the path: PKV_DI a vector of PKV_W int32 lanes,
+ * PKV_DOT4(acc, k, b) = acc + the 4-byte dot products of lanes k (keys, as
+ * kquad leaves them) and b (4 query values) */
+#if PKV_DOT_ISA == PKV_DOT_VNNI512
+_Static_assert(PKV_W == 16, "AVX-512 vectors are 16 keys");
+#define PKV_DI __m512i
+#define PKV_DI_SET1(x) _mm512_set1_epi32(x)
+#define PKV_DI_ZERO() _mm512_setzero_si512()
+#define PKV_DI_ADD(a, b) _mm512_add_epi32(a, b)
+#define PKV_DI_TOF(x) _mm512_cvtepi32_ps(x)
+#define PKV_DOT4(acc, k, b) _mm512_dpbusd_epi32(acc, k, b)
+#else
+_Static_assert(PKV_W == 8, "AVX2 vectors are 8 keys");
+#define PKV_DI __m256i
+#define PKV_DI_SET1(x) _mm256_set1_epi32(x)
+#define PKV_DI_ZERO() _mm256_setzero_si256()
+#define PKV_DI_ADD(a, b) _mm256_add_epi32(a, b)
+#define PKV_DI_TOF(x) _mm256_cvtepi32_ps(x)
+#define PKV_DOT4(acc, k, b) _mm256_dpbusd_avx_epi32(acc, k, b)
+#endif
 
 /* The quantized query rows of one head: row a's int8 values at q + a * ldq
  * (ldq >= d, the tail zeroed), its scales and starting sums at sc / corr +
@@ -61,6 +90,11 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
         int8_t *qr = q + (size_t)a * ldq;
         for (int i0 = 0, g = 0; i0 < d; i0 += PKV_I8_GROUP, g++) {
             const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
+            /* the starting sum covers the dimensions the integer loop takes (< d4) */
+            const int nd = d4 - i0 < PKV_I8_GROUP ? (d4 > i0 ? d4 - i0 : 0) : PKV_I8_GROUP;
+            float s = 0.0f;
+            int32_t sum = 0;
+#if PKV_DOT_ISA == PKV_DOT_VNNI512
             const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
             const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1);
             const __m512 x0 = _mm512_maskz_loadu_ps(m0, xr + i0);
@@ -69,7 +103,6 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
             const int bad = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q) ||
                             amax > 3.402823466e38f;
             __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
-            float s = 0.0f;
             if (bad) {
                 s = NAN;
             } else if (amax > 0.0f) {
@@ -81,11 +114,26 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
             /* saturating packs: |x| * 127 / amax rounds to at most 127 */
             _mm_storeu_si128((__m128i *)(qr + i0), _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(qr + i0 + 16), _mm512_cvtsepi32_epi8(q1));
-            /* the starting sum covers the dimensions the integer loop takes (< d4) */
-            const int nd = d4 - i0 < PKV_I8_GROUP ? (d4 > i0 ? d4 - i0 : 0) : PKV_I8_GROUP;
             const __mmask16 k0 = (__mmask16)(nd >= 16 ? 0xFFFF : (1u << nd) - 1);
             const __mmask16 k1 = (__mmask16)(nd <= 16 ? 0 : nd >= 32 ? 0xFFFF : (1u << (nd - 16)) - 1);
-            const int32_t sum = _mm512_mask_reduce_add_epi32(k0, q0) + _mm512_mask_reduce_add_epi32(k1, q1);
+            sum = _mm512_mask_reduce_add_epi32(k0, q0) + _mm512_mask_reduce_add_epi32(k1, q1);
+#else /* the same arithmetic one value at a time (float32 products, nearest-even) */
+            float amax = 0.0f;
+            int bad = 0;
+            for (int i = 0; i < n; i++) {
+                const float v = fabsf(xr[i0 + i]);
+                bad |= !(v <= 3.402823466e38f); /* NaN or infinite */
+                amax = v > amax ? v : amax;
+            }
+            const float inv = bad || !(amax > 0.0f) ? 0.0f : 127.0f / amax;
+            s = bad ? NAN : amax > 0.0f ? amax / 127.0f : 0.0f;
+            for (int i = 0; i < PKV_I8_GROUP; i++) {
+                float r = i < n && !bad ? nearbyintf(xr[i0 + i] * inv) : 0.0f;
+                r = r > 127.0f ? 127.0f : r < -128.0f ? -128.0f : r;
+                qr[i0 + i] = (int8_t)r;
+                if (i < nd) sum += (int32_t)r;
+            }
+#endif
             sc[(size_t)a * ng + g] = s;
             corr[(size_t)a * ng + g] = -128 * sum;
         }
@@ -123,8 +171,10 @@ static inline PKV_KFN(qrows_t) PKV_KFN(qrows_from)(const PKV_KFN(qrows_t) *all, 
     return h;
 }
 
-/* K^T rows i .. i + 3 of 16 keys (rows `stride` bytes apart) as 16 int32
- * lanes of 4 unsigned bytes, one key's 4 dimensions each (top bits flipped) */
+/* K^T rows i .. i + 3 of PKV_W keys (rows `stride` bytes apart) as PKV_W
+ * int32 lanes of 4 unsigned bytes, one key's 4 dimensions each (top bits
+ * flipped) */
+#if PKV_DOT_ISA == PKV_DOT_VNNI512
 static inline __m512i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
     __m512i x;
     if (stride == 16) {
@@ -143,6 +193,19 @@ static inline __m512i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
     x = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(didx, x), bidx);
     return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
 }
+#else
+static inline __m256i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
+    /* rows 0 and 1 byte-interleaved (key j: r0 r1), rows 2 and 3 too, then
+     * the pairs word-interleaved: key j's 4 bytes r0 r1 r2 r3, keys 0-3 in
+     * the low half, 4-7 in the high one */
+    const __m128i r01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)p),
+                                          _mm_loadl_epi64((const __m128i *)(p + stride)));
+    const __m128i r23 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(p + 2 * stride)),
+                                          _mm_loadl_epi64((const __m128i *)(p + 3 * stride)));
+    const __m256i x = _mm256_set_m128i(_mm_unpackhi_epi16(r01, r23), _mm_unpacklo_epi16(r01, r23));
+    return _mm256_xor_si256(x, _mm256_set1_epi8((char)0x80));
+}
+#endif
 
 /* four int8 values of a query row as one int32 (for a broadcast) */
 static inline int32_t PKV_KFN(q4)(const int8_t *p) {
@@ -157,22 +220,22 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
  * independent int32 sets over alternate quads of dimensions. */
 #define PKV_DOT_MK(NAME, R, NV, DS, PF)                                                           \
     static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,  \
-                                     int d, __m512 *out, pkv_pfs *ps) {                            \
-        __m512 tot[R][NV];                                                                         \
+                                     int d, PKV_VEC *out, pkv_pfs *ps) {                            \
+        PKV_VEC tot[R][NV];                                                                            \
         const int8_t *kp[NV];                                                                      \
         for (int v = 0; v < NV; v++) kp[v] = (const int8_t *)e[v].k;                               \
         for (int r = 0; r < R; r++)                                                                \
-            for (int v = 0; v < NV; v++) tot[r][v] = _mm512_setzero_ps();                          \
+            for (int v = 0; v < NV; v++) tot[r][v] = PKV_VZERO();                                 \
         const int d4 = d & ~3;                                                                     \
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int i0 = 0, g = 0; i0 < d4; i0 += PKV_I8_GROUP, g++) {                                \
             const int i1 = d4 - i0 < PKV_I8_GROUP ? d4 : i0 + PKV_I8_GROUP;                        \
-            __m512i acc[DS][R][NV];                                                                \
+            PKV_DI acc[DS][R][NV];                                                                 \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512i c0 = _mm512_set1_epi32(q[r].corr[g]);                                    \
+                const PKV_DI c0 = PKV_DI_SET1(q[r].corr[g]);                                          \
                 for (int v = 0; v < NV; v++) {                                                     \
                     acc[0][r][v] = c0;                                                             \
-                    for (int u = 1; u < DS; u++) acc[u][r][v] = _mm512_setzero_si512();            \
+                    for (int u = 1; u < DS; u++) acc[u][r][v] = PKV_DI_ZERO();                     \
                 }                                                                                  \
             }                                                                                      \
             int i = i0;                                                                            \
@@ -181,28 +244,28 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
                 for (int u = 0; u < DS; u++) PKV_DOT_STEP(acc[u], R, NV, i + 4 * u)                \
             }                                                                                      \
             for (; i < i1; i += 4) PKV_DOT_STEP(acc[0], R, NV, i)                                  \
-            __m512 ks[NV];                                                                         \
-            for (int v = 0; v < NV; v++) ks[v] = _mm512_loadu_ps(e[v].sc + (size_t)g * stride);    \
+            PKV_VEC ks[NV];                                                                         \
+            for (int v = 0; v < NV; v++) ks[v] = PKV_VLOAD(e[v].sc + (size_t)g * stride);          \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512 s = _mm512_set1_ps(q[r].sc[g]);                                         \
+                const PKV_VEC s = PKV_VSET1(q[r].sc[g]);                                               \
                 for (int v = 0; v < NV; v++) {                                                     \
-                    __m512i t = acc[0][r][v];                                                      \
-                    for (int u = 1; u < DS; u++) t = _mm512_add_epi32(t, acc[u][r][v]);            \
-                    tot[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ks[v], s),    \
-                                                tot[r][v]);                                        \
+                    PKV_DI t = acc[0][r][v];                                                       \
+                    for (int u = 1; u < DS; u++) t = PKV_DI_ADD(t, acc[u][r][v]);                  \
+                    tot[r][v] = PKV_VFMA(PKV_DI_TOF(t), PKV_VMUL(ks[v], s), tot[r][v]);                \
+                                                                                                      \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         PKV_PFS_END(ps)                                                                            \
         for (int i = d4; i < d; i++) { /* dimensions past the last quad, in float32 */             \
             const int g = i / PKV_I8_GROUP;                                                        \
-            __m512 kf[NV];                                                                         \
+            PKV_VEC kf[NV];                                                                         \
             for (int v = 0; v < NV; v++)                                                           \
-                kf[v] = _mm512_mul_ps(PKV_LD_I8(kp[v] + (size_t)i * stride),                       \
-                                      _mm512_loadu_ps(e[v].sc + (size_t)g * stride));              \
+                kf[v] = PKV_VMUL(PKV_LD_I8(kp[v] + (size_t)i * stride),                             \
+                                PKV_VLOAD(e[v].sc + (size_t)g * stride));                    \
             for (int r = 0; r < R; r++) {                                                          \
-                const __m512 b = _mm512_set1_ps((float)q[r].q[i] * q[r].sc[g]);                        \
-                for (int v = 0; v < NV; v++) tot[r][v] = _mm512_fmadd_ps(b, kf[v], tot[r][v]);     \
+                const PKV_VEC b = PKV_VSET1((float)q[r].q[i] * q[r].sc[g]);                              \
+                for (int v = 0; v < NV; v++) tot[r][v] = PKV_VFMA(b, kf[v], tot[r][v]);            \
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \
@@ -212,11 +275,11 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
  * broadcast of each row's 4 values and NV dot products per row */
 #define PKV_DOT_STEP(acc, R, NV, i)                                                                \
     {                                                                                              \
-        __m512i kq[NV];                                                                            \
+        PKV_DI kq[NV];                                                                             \
         for (int v = 0; v < NV; v++) kq[v] = PKV_KFN(kquad)(kp[v] + (size_t)(i) * stride, stride); \
         for (int r = 0; r < R; r++) {                                                              \
-            const __m512i b = _mm512_set1_epi32(PKV_KFN(q4)(q[r].q + (i)));                          \
-            for (int v = 0; v < NV; v++) (acc)[r][v] = _mm512_dpbusd_epi32((acc)[r][v], kq[v], b); \
+            const PKV_DI b = PKV_DI_SET1(PKV_KFN(q4)(q[r].q + (i)));                                 \
+            for (int v = 0; v < NV; v++) (acc)[r][v] = PKV_DOT4((acc)[r][v], kq[v], b);            \
         }                                                                                          \
     }
 

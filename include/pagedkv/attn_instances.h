@@ -9,11 +9,12 @@
  * vocab_*.h, a scalar reader in convert.h), one block below, one line in
  * attention.h's table.
  *
- * With PKV_I8_DOT defined to 1 (and PKV_DOT_TAG, the name suffix of the
- * instance) only the int8 kernels are instantiated, their keys scored with
- * an integer dot product (attn_dot.h); everything else they call is the
- * instance of PKV_TAG, included before (attention.h: AVX-512 + VNNI on
- * AVX-512's float32 instance).
+ * With PKV_I8_DOT defined to 1 (and PKV_DOT_ISA, the dot instruction, and
+ * PKV_DOT_TAG, the name suffix of the instance) only the int8 kernels are
+ * instantiated, their keys scored with an integer dot product
+ * (attn_dot.h); everything else they call is the instance of PKV_TAG,
+ * included before (attention.h: AVX-512 + VNNI on AVX-512's float32
+ * instance, AVX2 + AVX-VNNI on AVX2's).
  */
 #define PKV_FN(name) PKV_CAT(name, PKV_TAG)
 #ifndef PKV_I8_DOT

@@ -158,6 +158,12 @@ PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
 #undef PKV_SCORES_MK
 #undef PKV_DOT_MK
 #undef PKV_DOT_STEP
+#undef PKV_DI
+#undef PKV_DI_SET1
+#undef PKV_DI_ZERO
+#undef PKV_DI_ADD
+#undef PKV_DI_TOF
+#undef PKV_DOT4
 #undef PKV_SC_GROUP_PUT
 #undef PKV_SC_K
 #undef PKV_SC_Q
@@ -516,7 +522,10 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
  * rows); softcap > 0 caps the visible scaled scores first.  A positive scale
  * goes into the exp's argument (the max of the scaled scores is the scale
  * times the max: rounding is monotone); otherwise the scores are scaled in
- * place first. */
+ * place first.  A row whose largest score is NaN (a NaN or infinite query
+ * value makes every score of its head NaN) gets NaN weights and sums, so its
+ * output is NaN on every path (the exp's clamp alone would turn NaN scores
+ * into equal tiny weights). */
 static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
                                          const int64_t *lim, int64_t r, int n, int64_t window,
                                          PKV_T scale, PKV_T softcap, double *m, double *l,
@@ -535,6 +544,12 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
             if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
         }
         const PKV_T mx = PKV_FN(row_max)(sv, cnt - st) * c;
+        if (mx != mx) { /* NaN scores (a NaN or infinite query value): a NaN row on every path */
+            for (int j = 0; j < n; j++) s[j] = (PKV_T)NAN;
+            l[i] = m[i] = NAN;
+            alpha[a] = 1;
+            continue;
+        }
         const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
         const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : PKV_FN(sexp)((PKV_T)(m[i] - m_new));
         const double psum = PKV_FN(exp_shift)(sv, cnt - st, c, (PKV_T)m_new);

@@ -20,9 +20,10 @@
  *
  * Kinds (PKV_PEAK_*): the instruction measured; lanes = element operations
  * (one multiply-add of one lane counts 1).  PKV_PEAK_DPBUSD is the integer
- * dot product the int8 scores of the AVX-512 + VNNI path are built on
- * (vpdpbusd: 64 products of unsigned by signed bytes, summed four at a time
- * into 16 int32 lanes); its lanes are the products, so 64 per instruction.
+ * dot product the int8 scores of the VNNI paths are built on (vpdpbusd:
+ * products of unsigned by signed bytes, summed four at a time into int32
+ * lanes); its lanes are the products, so 64 per instruction on AVX-512 +
+ * VNNI, 32 on AVX2 + AVX-VNNI.
  * Its chains start at lane k = k and add 4 * 1 * 1 each round (bytes 1 and
  * 1), an exact checksum too.  Callers select by kind.
  *
@@ -40,7 +41,7 @@
 enum {
     PKV_PEAK_FMA_F32 = 0,
     PKV_PEAK_FMA_F64 = 1,
-    PKV_PEAK_DPBUSD = 2, /* AVX-512 + VNNI only */
+    PKV_PEAK_DPBUSD = 2, /* the VNNI paths only */
     PKV_NUM_PEAK_KINDS = 3
 };
 
@@ -119,36 +120,50 @@ PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
 
 /* vpdpbusd chains: c = c + dot4(a, b) per int32 lane, a and b all bytes 1
  * (a and b of the signature are not used: the checksum is exact anyway);
- * the chains as in PKV_PEAK_DEFINE, the sum in int64 */
-#define PKV_PK_DP(c) c = _mm512_dpbusd_epi32(c, ones, ones)
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-PKV_PEAK_FN uint64_t pkv_peak_dpbusd_avx512vnni(int64_t iters, double a, double b, double *sum) {
-    (void)a;
-    (void)b;
-    int32_t buf[PKV_PEAK_CHAINS * 16];
-    for (int k = 0; k < PKV_PEAK_CHAINS * 16; k++) buf[k] = k;
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512i c0 = _mm512_loadu_si512(buf + 0), c1 = _mm512_loadu_si512(buf + 16),
-            c2 = _mm512_loadu_si512(buf + 32), c3 = _mm512_loadu_si512(buf + 48),
-            c4 = _mm512_loadu_si512(buf + 64), c5 = _mm512_loadu_si512(buf + 80),
-            c6 = _mm512_loadu_si512(buf + 96), c7 = _mm512_loadu_si512(buf + 112),
-            c8 = _mm512_loadu_si512(buf + 128), c9 = _mm512_loadu_si512(buf + 144),
-            c10 = _mm512_loadu_si512(buf + 160), c11 = _mm512_loadu_si512(buf + 176);
-    for (int64_t i = 0; i < iters; i++) {
-        PKV_PK_DP(c0); PKV_PK_DP(c1); PKV_PK_DP(c2); PKV_PK_DP(c3);
-        PKV_PK_DP(c4); PKV_PK_DP(c5); PKV_PK_DP(c6); PKV_PK_DP(c7);
-        PKV_PK_DP(c8); PKV_PK_DP(c9); PKV_PK_DP(c10); PKV_PK_DP(c11);
+ * the chains as in PKV_PEAK_DEFINE, the sum in int64.  PKV_PEAK_DEFINE_DP
+ * defines one over vector type V of W int32 lanes (DP: the instruction,
+ * SET1 / LOAD / STORE of int32 lanes); the AVX-512 and the AVX-VNNI
+ * (VEX-encoded, 256-bit) forms below. */
+#define PKV_PEAK_DEFINE_DP(name, tgt, V, W, DP, SET1, LOAD, STORE)                             \
+    __attribute__((target(tgt))) PKV_PEAK_FN uint64_t name(int64_t iters, double a, double b, \
+                                                            double *sum) {                    \
+        (void)a;                                                                              \
+        (void)b;                                                                              \
+        int32_t buf[PKV_PEAK_CHAINS * (W)];                                                   \
+        for (int k = 0; k < PKV_PEAK_CHAINS * (W); k++) buf[k] = k;                           \
+        const V ones = SET1(0x01010101);                                                      \
+        V c0 = LOAD(buf + 0 * (W)), c1 = LOAD(buf + 1 * (W)), c2 = LOAD(buf + 2 * (W)),       \
+          c3 = LOAD(buf + 3 * (W)), c4 = LOAD(buf + 4 * (W)), c5 = LOAD(buf + 5 * (W)),       \
+          c6 = LOAD(buf + 6 * (W)), c7 = LOAD(buf + 7 * (W)), c8 = LOAD(buf + 8 * (W)),       \
+          c9 = LOAD(buf + 9 * (W)), c10 = LOAD(buf + 10 * (W)), c11 = LOAD(buf + 11 * (W));   \
+        for (int64_t i = 0; i < iters; i++) {                                                 \
+            c0 = DP(c0, ones, ones); c1 = DP(c1, ones, ones); c2 = DP(c2, ones, ones);         \
+            c3 = DP(c3, ones, ones); c4 = DP(c4, ones, ones); c5 = DP(c5, ones, ones);         \
+            c6 = DP(c6, ones, ones); c7 = DP(c7, ones, ones); c8 = DP(c8, ones, ones);         \
+            c9 = DP(c9, ones, ones); c10 = DP(c10, ones, ones); c11 = DP(c11, ones, ones);     \
+        }                                                                                     \
+        const V c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};      \
+        int64_t s = 0;                                                                        \
+        for (int j = 0; j < PKV_PEAK_CHAINS; j++) {                                           \
+            STORE(buf, c[j]);                                                                 \
+            for (int k = 0; k < (W); k++) s += buf[k];                                        \
+        }                                                                                     \
+        *sum = (double)s;                                                                     \
+        return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 4 * (W) : 0;                   \
     }
-    const __m512i c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
-    int64_t s = 0;
-    for (int j = 0; j < PKV_PEAK_CHAINS; j++) {
-        _mm512_storeu_si512(buf, c[j]);
-        for (int k = 0; k < 16; k++) s += buf[k];
-    }
-    *sum = (double)s;
-    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 64 : 0;
-}
-#undef PKV_PK_DP
+#define PKV_PK_LD512(p) _mm512_loadu_si512(p)
+#define PKV_PK_ST512(p, x) _mm512_storeu_si512(p, x)
+#define PKV_PK_LD256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define PKV_PK_ST256(p, x) _mm256_storeu_si256((__m256i *)(p), x)
+PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avx512vnni, "avx512f,avx512bw,avx512vnni", __m512i, 16,
+                   _mm512_dpbusd_epi32, _mm512_set1_epi32, PKV_PK_LD512, PKV_PK_ST512)
+PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avxvnni, "avx2,avxvnni", __m256i, 8, _mm256_dpbusd_avx_epi32,
+                   _mm256_set1_epi32, PKV_PK_LD256, PKV_PK_ST256)
+#undef PKV_PK_LD512
+#undef PKV_PK_ST512
+#undef PKV_PK_LD256
+#undef PKV_PK_ST256
+#undef PKV_PEAK_DEFINE_DP
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -176,6 +191,7 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     const int f64 = kind == PKV_PEAK_FMA_F64;
 #if PKV_X86
     if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVX512VNNI) return pkv_peak_dpbusd_avx512vnni;
+    if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVXVNNI) return pkv_peak_dpbusd_avxvnni;
 #endif
     if (kind != PKV_PEAK_FMA_F32 && kind != PKV_PEAK_FMA_F64) return 0;
     simd = pkv_simd_base(simd);
@@ -194,7 +210,7 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
  * pkv_peak_fn_for has no loop for it. */
 static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
-    if (kind == PKV_PEAK_DPBUSD) return 64;
+    if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVX512VNNI ? 64 : 32;
     const int f64 = kind == PKV_PEAK_FMA_F64;
     switch (pkv_simd_base(simd)) {
     case PKV_SIMD_AVX2: return f64 ? 4 : 8;

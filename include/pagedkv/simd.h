@@ -4,9 +4,10 @@
  * nothing here depends on the flags the extension was built with, so one
  * binary runs on any CPU of its architecture and picks its path at import.
  *
- * x86-64: scalar, AVX2+FMA, AVX-512, and AVX-512 with VNNI (the same
- * kernels, except that int8 keys are scored with the integer dot product
- * vpdpbusd: attn_dot.h), compiled with per-function target pragmas.
+ * x86-64: scalar, AVX2+FMA, AVX2 with AVX-VNNI, AVX-512, and AVX-512 with
+ * VNNI, compiled with per-function target pragmas.  The VNNI paths run the
+ * kernels of the path below them, except that int8 keys in float32 are
+ * scored with the integer dot product vpdpbusd (attn_dot.h).
  * Detection asks cpuid for the instructions *and* xgetbv for the OS support
  * of the wide registers (a CPU can report AVX-512 while the kernel does not
  * save zmm state).
@@ -25,7 +26,8 @@ enum {
     PKV_SIMD_AVX512 = 2,
     PKV_SIMD_NEON = 3,
     PKV_SIMD_AVX512VNNI = 4, /* AVX-512 + AVX512_VNNI */
-    PKV_NUM_SIMD = 5
+    PKV_SIMD_AVXVNNI = 5,    /* AVX2 + AVX-VNNI (256-bit vpdpbusd, no AVX-512) */
+    PKV_NUM_SIMD = 6
 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -46,25 +48,45 @@ static inline int pkv_cpu_is_intel(void) {
     return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* Genu ineI ntel */
 }
 
-/* Best SIMD path this CPU and OS can run. */
+/* The x86 paths this CPU and OS can run, one bit per PKV_SIMD_* (scalar
+ * always), cached after the first call. */
+static inline unsigned pkv_x86_paths(void) {
+    static volatile unsigned cached = 0; /* 0: not asked yet (bit 0 is always set) */
+    if (cached) return cached;
+    unsigned paths = 1u << PKV_SIMD_SCALAR, a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+        const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
+        const int f16c = (c >> 29) & 1; /* half-precision loads of float16 storage */
+        const uint64_t xcr0 = osxsave ? pkv_xgetbv0() : 0;
+        if (avx && fma && f16c && (xcr0 & 0x6) == 0x6 && __get_cpuid_max(0, 0) >= 7) { /* xmm + ymm state */
+            __cpuid_count(7, 0, a, b, c, d);
+            const int avx2 = (b >> 5) & 1;
+            const int avx512 = ((b >> 16) & 1) && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) &&
+                               (xcr0 & 0xE0) == 0xE0; /* F, DQ, BW, VL; opmask + zmm state */
+            const int vnni512 = (c >> 11) & 1;        /* AVX512_VNNI */
+            unsigned a1, b1, c1, d1;
+            __cpuid_count(7, 1, a1, b1, c1, d1);
+            const int avxvnni = (a1 >> 4) & 1; /* AVX-VNNI (VEX-encoded vpdpbusd) */
+            if (avx2) {
+                paths |= 1u << PKV_SIMD_AVX2;
+                if (avxvnni) paths |= 1u << PKV_SIMD_AVXVNNI;
+                if (avx512) paths |= 1u << PKV_SIMD_AVX512;
+                if (avx512 && vnni512) paths |= 1u << PKV_SIMD_AVX512VNNI;
+            }
+        }
+    }
+    cached = paths;
+    return paths;
+}
+
+/* Best SIMD path this CPU and OS can run: AVX-512 (+ VNNI) before AVX2
+ * (+ AVX-VNNI). */
 static inline int pkv_detect_simd(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return PKV_SIMD_SCALAR;
-    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
-    const int f16c = (c >> 29) & 1; /* half-precision loads of float16 storage */
-    if (!(osxsave && avx && fma && f16c)) return PKV_SIMD_SCALAR;
-    const uint64_t xcr0 = pkv_xgetbv0();
-    if ((xcr0 & 0x6) != 0x6) return PKV_SIMD_SCALAR;           /* xmm + ymm state */
-    if (__get_cpuid_max(0, 0) < 7) return PKV_SIMD_SCALAR;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int avx2 = (b >> 5) & 1;
-    if (!avx2) return PKV_SIMD_SCALAR;
-    const int avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1;
-    const int avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
-    const int vnni = (c >> 11) & 1;                               /* AVX512_VNNI */
-    if (avx512f && avx512dq && avx512bw && avx512vl && (xcr0 & 0xE0) == 0xE0)
-        return vnni ? PKV_SIMD_AVX512VNNI : PKV_SIMD_AVX512;      /* opmask + zmm state */
-    return PKV_SIMD_AVX2;
+    static const int order[] = {PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI, PKV_SIMD_AVX2};
+    const unsigned paths = pkv_x86_paths();
+    for (int i = 0; i < 4; i++)
+        if (paths & (1u << order[i])) return order[i];
+    return PKV_SIMD_SCALAR;
 }
 
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
@@ -90,18 +112,31 @@ static inline int pkv_detect_simd(void) { return PKV_SIMD_SCALAR; }
 static inline int pkv_cpu_is_intel(void) { return 0; }
 #endif
 
-/* 1 when path `simd` runs here and was built: scalar always, plus the
- * detected path and (x86) the narrower ones below it: AVX2 below AVX-512,
- * AVX-512 below AVX-512 + VNNI. */
+/* 1 when path `simd` runs here and was built: scalar always; on x86-64
+ * each path whose instructions the CPU and OS have, on aarch64 NEON where
+ * detected. */
 static inline int pkv_simd_supported(int simd) {
-    const int best = pkv_detect_simd();
-    return simd == PKV_SIMD_SCALAR || simd == best ||
-           (simd == PKV_SIMD_AVX2 && (best == PKV_SIMD_AVX512 || best == PKV_SIMD_AVX512VNNI)) ||
-           (simd == PKV_SIMD_AVX512 && best == PKV_SIMD_AVX512VNNI);
+    if (simd == PKV_SIMD_SCALAR) return 1;
+#if PKV_X86
+    return simd > 0 && simd < PKV_NUM_SIMD && simd != PKV_SIMD_NEON && ((pkv_x86_paths() >> simd) & 1);
+#else
+    return simd == pkv_detect_simd();
+#endif
 }
 
 /* The path whose kernels path `simd` shares outside the int8 scores (the
- * read, linear and peak helpers of AVX-512 + VNNI are AVX-512's). */
+ * read, linear and peak helpers of AVX-512 + VNNI are AVX-512's, those of
+ * AVX2 + AVX-VNNI AVX2's). */
 static inline int pkv_simd_base(int simd) {
-    return simd == PKV_SIMD_AVX512VNNI ? PKV_SIMD_AVX512 : simd;
+    return simd == PKV_SIMD_AVX512VNNI ? PKV_SIMD_AVX512 : simd == PKV_SIMD_AVXVNNI ? PKV_SIMD_AVX2 : simd;
+}
+
+/* Key lanes of one vector of path `simd`'s float32 kernels (PKV_W) */
+static inline int pkv_simd_f32_lanes(int simd) {
+    switch (pkv_simd_base(simd)) {
+    case PKV_SIMD_AVX2: return 8;
+    case PKV_SIMD_AVX512: return 16;
+    case PKV_SIMD_NEON: return 4;
+    default: return 1;
+    }
 }

@@ -16,6 +16,8 @@
 
 #ifndef PKV_AVX2_TARGET
 #define PKV_AVX2_TARGET "avx2,fma,f16c"
+/* AVX2 + AVX-VNNI (attention.h): the int8 scores' 256-bit vpdpbusd */
+#define PKV_AVXVNNI_TARGET "avx2,fma,f16c,avxvnni"
 #include <string.h>
 
 PKV_TARGET_BEGIN(PKV_AVX2_TARGET)

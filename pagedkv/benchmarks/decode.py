@@ -447,7 +447,7 @@ def peak_kind(dtype: str) -> str:
 def peak_kinds(cache, dtype: str) -> Tuple[str, str]:
     """The instructions of (scores, P.V) of `cache`'s decode: the compute type's
     FMA for both, except where the cache scores int8 keys with vpdpbusd
-    (cache.quantizes_queries, the avx512vnni path)."""
+    (cache.quantizes_queries, the avx512vnni and avxvnni paths)."""
     fma = peak_kind(dtype)
     return ("dpbusd" if cache.quantizes_queries else fma), fma
 
@@ -589,7 +589,7 @@ def _l2_head(r0: dict) -> str:
             f"{src}).\nG lanes/s = 2 * Hq * L * D / time (one multiply-add per query head and "
             "stored K or V element); %peak = the time the scores and P.V\nwould take at the peak "
             "of the instruction each is built on / the time taken: the FMA of the compute type "
-            "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the avx512vnni path, "
+            "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the VNNI paths, "
             "scored with vpdpbusd (peak: dpbusd) against the query rounded to int8.")
 
 

@@ -29,7 +29,10 @@ build() {
 
 cc="${CC:-cc}"
 require=(--require scalar)
-if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo; then require+=(--require avx2); fi
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo; then
+    require+=(--require avx2)
+    if grep -qw avx_vnni /proc/cpuinfo; then require+=(--require avxvnni); fi
+fi
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo \
     && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
     require+=(--require avx512)

@@ -34,7 +34,7 @@
 #include "pagedkv/attention.h"
 #include "pagedkv/linear.h"
 
-static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni"};
+static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni"};
 
 /* ---- reference attention -------------------------------------------------- */
 
@@ -254,8 +254,10 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
 
     /* references; [1]: the quantized query, for the paths that score int8 keys
      * with an integer dot product (attn_dot.h: float32 compute, no RoPE,
-     * blocks of at least one AVX-512 vector of keys) */
-    const int qdot = pkv_quantizes_queries(c->st, dt, PKV_SIMD_AVX512VNNI, c->bs, c->rope_half);
+     * blocks of at least one vector of keys) */
+    int qdot = 0;
+    for (int simd = 0; simd < PKV_NUM_SIMD; simd++)
+        qdot |= pkv_quantizes_queries(c->st, dt, simd, c->bs, c->rope_half);
     void *qd = xalloc((size_t)c->nseq * row * c->item);
     for (size_t i = 0; i < (size_t)c->nseq * row; i++) put(qd, i, dt, rnd_normal());
     double *refd[2] = {malloc(sizeof(double) * (size_t)c->nseq * row),
@@ -296,7 +298,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
         if (!pkv_simd_supported(simd) || !kern) continue;
         const int base = pkv_simd_base(simd);
         if (base != simd && kern->decode == pkv_kernels_for(c->st, dt, base)->decode) continue;
-        const int qz = qdot && simd == PKV_SIMD_AVX512VNNI;
+        const int qz = pkv_quantizes_queries(c->st, dt, simd, c->bs, c->rope_half);
         for (int nt = 1; nt <= max_threads; nt++) {
             pkv_attn_args a;
             fill_args(c, &a, layer, qd, out, scale, nt, scratch, stride, partial, partial_slots, &rope);

@@ -263,22 +263,27 @@ def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
     assert err <= floor + 10 * KV_TOL[dtype], (err, floor)
 
 
+# the SIMD paths that score int8 keys in float32 with an integer dot product, and their key
+# vectors' width (include/pagedkv/attention.h: pkv_simd_int8_dot, pkv_dot_scores_apply)
+INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16}
+
 QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer dot product or not
     ("int8", "float32", 16, False), ("int8", "float32", 64, False), ("int8", "float32", 8, False),
-    ("int8", "float32", 16, True), ("int8", "float64", 16, False), ("bfloat16", "float32", 16, False),
+    ("int8", "float32", 5, False), ("int8", "float32", 16, True), ("int8", "float64", 16, False), ("bfloat16", "float32", 16, False),
 ]
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,bs,rope", QUANTIZE_CASES)
 def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, rope):
-    """cache.quantizes_queries is True exactly on the avx512vnni path for int8 keys in float32
-    (blocks of >= 16 keys, no RoPE); then the output matches the reference with the rounded query
+    """cache.quantizes_queries is True exactly on the integer dot paths for int8 keys in float32
+    (blocks of at least one vector of keys: 16 on avx512vnni, 8 on avxvnni; no RoPE); then the output matches the reference with the rounded query
     and not the one with the query as given (the difference is far beyond the tolerance, so the
     check can tell), otherwise the reverse."""
-    c = _cache(kv_dtype, dtype, num_blocks=40, block_size=bs, hkv=2, d=96,
+    c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,
                rope=pagedkv.RoPE(10000.0) if rope else None)
-    want = (pagedkv.simd_backend() == "avx512vnni" and kv_dtype == "int8" and dtype == "float32"
-            and bs >= 16 and not rope)
+    lanes = INT8_DOT_LANES.get(pagedkv.simd_backend())
+    want = (lanes is not None and kv_dtype == "int8" and dtype == "float32" and bs >= lanes
+            and not rope)
     assert c.quantizes_queries is want
     if rope:
         return  # the reference would need the rotation; the claim above is what this case checks
@@ -301,7 +306,9 @@ def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ro
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_nan_or_inf_in_a_query_head_stays_in_its_head(kv_dtype):
     """A NaN or infinity in one query head changes no other head's output, also where the query
-    is rounded to int8; there its group's scale becomes NaN, and so does the head's output."""
+    is rounded to int8.  A NaN makes every score of its head NaN, and then the head's output is
+    NaN on every path; so does an infinity where the query is rounded (its group's scale is
+    NaN)."""
     rng = np.random.default_rng(4)
     c = _cache(kv_dtype, num_blocks=8, block_size=16, hkv=2, d=64)
     sid = c.add_sequence()
@@ -312,7 +319,7 @@ def test_nan_or_inf_in_a_query_head_stays_in_its_head(kv_dtype):
         q[0, 3, 37] = bad
         for out, want in zip((c.attend_batch([sid], q), c.attend(sid, q)), clean):
             np.testing.assert_array_equal(np.delete(out[0], 3, axis=0), np.delete(want[0], 3, axis=0))
-            if c.quantizes_queries:
+            if c.quantizes_queries or np.isnan(bad):  # an inf scores +-inf on float keys
                 assert np.isnan(out[0, 3]).all()
 
 
@@ -399,7 +406,8 @@ def test_fork_cow_and_truncate_with_kv_dtype(rng, kv_dtype, dtype):
     k, v = c.gather(child)
     np.testing.assert_array_equal(k, ref_stored(np.concatenate([base[:10], again]), kv_dtype, dtype))
     q = random_tokens(rng, 2, 2 * hkv, d, dtype)
-    assert_attention_close(c.attend(child, q), ref_attention(q, k, v, math_scale(d), 11), dtype, v)
+    qs, sc = query_as_scored(c, q, math_scale(d))
+    assert_attention_close(c.attend(child, q), ref_attention(qs, k, v, sc, 11), dtype, v)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

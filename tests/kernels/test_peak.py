@@ -12,7 +12,9 @@ KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
 # lanes per register of each path: (f32, f64)
 WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
-         "avx512vnni": (16, 8)}  # its FMA loops are AVX-512's
+         "avx512vnni": (16, 8), "avxvnni": (8, 4)}  # their FMA loops are AVX-512's, AVX2's
+# int32 lanes per register of the vpdpbusd probe (4 byte products each), where there is one
+DPBUSD_LANES = {"avx512vnni": 16, "avxvnni": 8}
 PATHS = pagedkv.simd_supported()
 
 
@@ -63,22 +65,24 @@ def test_default_path_is_the_active_one():
         assert _fma_probe(kind, iters=4)[0] == 4 * CHAINS * _width(kind, active)
 
 
-@pytest.mark.skipif("avx512vnni" not in PATHS, reason="the CPU lacks AVX512_VNNI")
+@pytest.mark.parametrize("simd", [s for s in PATHS if s in DPBUSD_LANES])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_dpbusd_probe_counts_its_products(threads):
-    """vpdpbusd chains: 64 byte products per instruction, 12 chains; int32 lane k (16 per
-    chain) starts at k and gains 4 * 1 * 1 a round, so the lanes sum to an exact checksum."""
+def test_dpbusd_probe_counts_its_products(simd, threads):
+    """vpdpbusd chains: 4 byte products per int32 lane (64 per AVX-512 instruction, 32 per
+    AVX-VNNI one), 12 chains; lane k starts at k and gains 4 * 1 * 1 a round, so the lanes sum
+    to an exact checksum."""
+    w = DPBUSD_LANES[simd]
     for iters in (0, 1, 2, 17):
-        lanes, total = _fma_probe("dpbusd", simd="avx512vnni", iters=iters, threads=threads)
-        assert lanes == threads * CHAINS * 64 * iters
-        assert total == threads * sum(k + 4 * iters for k in range(CHAINS * 16))
-    rate = instruction_peak("dpbusd", threads=1, seconds=0.005, repeats=3)
+        lanes, total = _fma_probe("dpbusd", simd=simd, iters=iters, threads=threads)
+        assert lanes == threads * CHAINS * 4 * w * iters
+        assert total == threads * sum(k + 4 * iters for k in range(CHAINS * w))
+    rate = instruction_peak("dpbusd", simd=simd, threads=1, seconds=0.005, repeats=3)
     assert math.isfinite(rate) and rate > 0
 
 
-def test_dpbusd_probe_only_on_the_vnni_path():
+def test_dpbusd_probe_only_on_the_vnni_paths():
     for simd in PATHS:
-        if simd != "avx512vnni":
+        if simd not in DPBUSD_LANES:
             with pytest.raises(ValueError, match="no dpbusd probe"):
                 instruction_peak("dpbusd", simd=simd)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import pagedkv
@@ -34,13 +35,16 @@ FLAGS = _cpu_flags()
 SUPPORTED = ["scalar"]
 if {"avx2", "fma", "f16c"} <= FLAGS:  # F16C: float16 storage (include/pagedkv/simd.h)
     SUPPORTED.append("avx2")
+    if "avx_vnni" in FLAGS:
+        SUPPORTED.append("avxvnni")  # AVX2 with int8 keys scored by the VEX-encoded vpdpbusd
 if {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLAGS:
     SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
 if platform.machine().lower() in ("aarch64", "arm64"):
     SUPPORTED.append("neon")  # Advanced SIMD: part of every AArch64 CPU
 if "avx512" in SUPPORTED and "avx512_vnni" in FLAGS:
     SUPPORTED.append("avx512vnni")  # AVX-512 with int8 keys scored by vpdpbusd
-UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni") if name not in SUPPORTED]
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni")
+               if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
     """
@@ -84,6 +88,43 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# int8 keys in float32 on the forced path: decode and prefill against the reference with the
+# query as that path scores it (query_as_scored: rounded to int8 on the integer dot paths), then
+# every output saved where OUT_NPZ says, so paths can be compared with each other
+SCRIPT_INT8 = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    import pagedkv
+    from reference import (assert_attention_close, math_scale, query_as_scored, random_tokens,
+                           ref_attention)
+
+    assert pagedkv.simd_backend() == os.environ["PAGEDKV_SIMD"]
+    rng = np.random.default_rng(20261126)
+    outs = []
+    for block_size, head_dim, hkv, ratio, length in (
+        (16, 128, 2, 4, 700), (8, 67, 2, 3, 301), (64, 96, 1, 8, 130), (5, 33, 2, 2, 97),
+        (24, 64, 2, 4, 250),
+    ):
+        cache = pagedkv.PagedKVCache(num_blocks=length // block_size + 2, block_size=block_size,
+                                     num_kv_heads=hkv, head_dim=head_dim, kv_dtype="int8")
+        sid = cache.add_sequence()
+        cache.append(sid, random_tokens(rng, length, hkv, head_dim, "float32"),
+                     random_tokens(rng, length, hkv, head_dim, "float32"))
+        kg, vg = cache.gather(sid)
+        for n in (1, 9):
+            q = random_tokens(rng, n, hkv * ratio, head_dim, "float32")
+            out = cache.attend_batch([sid], q) if n == 1 else cache.attend(sid, q)
+            qs, sc = query_as_scored(cache, q, math_scale(head_dim))
+            assert_attention_close(out, ref_attention(qs, kg, vg, sc, length - n), "float32", vg)
+            outs.append((f"bs{block_size}_n{n}", out))
+    if os.environ.get("OUT_NPZ"):
+        np.savez(os.environ["OUT_NPZ"], **dict(outs))
+    print("INT8-OK")
+    """
+)
+
+
 def run_script(script, marker, timeout=300, **env_updates):
     """Run `script` in a fresh interpreter (the tests folder importable) with env_updates set
     (e.g. PAGEDKV_SIMD=...); assert it exits 0 and prints `marker`; return its stdout."""
@@ -110,6 +151,29 @@ def _run(env_updates):
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_forced_simd_backend_matches_reference(backend):
     _run({"PAGEDKV_SIMD": backend})
+
+
+@pytest.mark.parametrize("backend", SUPPORTED)
+def test_int8_keys_on_every_path_match_the_reference(backend):
+    run_script(SCRIPT_INT8, "INT8-OK", PAGEDKV_SIMD=backend)
+
+
+@pytest.mark.skipif(not {"avxvnni", "avx512vnni"} <= set(SUPPORTED), reason="needs both VNNI paths")
+def test_both_vnni_paths_round_the_query_alike(tmp_path):
+    """Where both round the query (blocks of >= 16 keys), avxvnni and avx512vnni quantize it the
+    same way (one in scalar code, one in AVX-512) and sum each group's products exactly in int32,
+    so their scores are the same bits; only the float steps after them differ in vector width.
+    Their outputs agree to a few float32 ulps, far closer than either is to the reference."""
+    got = {}
+    for b in ("avxvnni", "avx512vnni"):
+        run_script(SCRIPT_INT8, "INT8-OK", PAGEDKV_SIMD=b, OUT_NPZ=str(tmp_path / f"{b}.npz"))
+        with np.load(tmp_path / f"{b}.npz") as z:
+            got[b] = {k: z[k] for k in z.files}
+    both = [k for k in got["avxvnni"] if int(k[2:].split("_")[0]) >= 16]
+    assert len(both) == 6
+    for k in both:
+        a, b = got["avxvnni"][k], got["avx512vnni"][k]
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * float(np.abs(b).max()), err_msg=k)
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
