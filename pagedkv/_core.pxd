@@ -12,6 +12,7 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_NEON
         PKV_SIMD_AVX512VNNI
         PKV_SIMD_AVXVNNI
+        PKV_SIMD_NEONDOT
     int pkv_detect_simd()
     int pkv_simd_supported(int simd)
 
@@ -112,6 +113,7 @@ cdef extern from "pagedkv/peak.h" nogil:
         PKV_PEAK_FMA_F32
         PKV_PEAK_FMA_F64
         PKV_PEAK_DPBUSD
+        PKV_PEAK_SDOT
         PKV_PEAK_CHAINS
     int pkv_peak_width(int kind, int simd)
     uint64_t pkv_peak_run(int kind, int simd, int64_t iters, int nthreads, double a, double b,

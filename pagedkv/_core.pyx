@@ -81,9 +81,9 @@ class OutOfBlocksError(MemoryError):
 
 cdef int _simd_detected = pkv_detect_simd()
 # indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd,
-# "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd
-_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni")
-_SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "avx512", "avx512vnni")
+# "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd, "neondot" NEON with sdot
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot")
+_SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "neondot", "avx512", "avx512vnni")
 
 
 def simd_supported():
@@ -110,8 +110,8 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 
 def simd_backend():
-    """Name of the active SIMD path: 'scalar', 'avx2', 'avxvnni', 'avx512', 'avx512vnni' or
-    'neon'."""
+    """Name of the active SIMD path: 'scalar', 'avx2', 'avxvnni', 'avx512', 'avx512vnni',
+    'neon' or 'neondot'."""
     return _SIMD_NAMES[_simd]
 
 
@@ -320,8 +320,8 @@ cdef class CacheCore:
         """True when attention rounds the queries to int8 (a float32 scale per
         32 values) to score int8 keys with an integer dot product: int8
         storage, float32 compute, an integer dot path ("avx512vnni" with
-        block_size >= 16, "avxvnni" with block_size >= 8), no RoPE
-        (include/pagedkv/attn_dot.h)."""
+        block_size >= 16, "avxvnni" with block_size >= 8, "neondot" with
+        block_size >= 4), no RoPE (include/pagedkv/attn_dot.h)."""
         return bool(pkv_quantizes_queries(self.storage, self.compute, _simd, self.block_size,
                                           self.has_rope))
 

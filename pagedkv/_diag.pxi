@@ -160,7 +160,7 @@ def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
 # instruction peak (include/pagedkv/peak.h)
 
 _PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64,
-               "dpbusd": PKV_PEAK_DPBUSD}
+               "dpbusd": PKV_PEAK_DPBUSD, "sdot": PKV_PEAK_SDOT}
 
 
 def _peak_args(kind, simd, threads):
@@ -210,8 +210,9 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     are built on (one multiply-add of one lane counts 1); "dpbusd", the
     integer dot product of the VNNI paths' int8 scores (vpdpbusd: 64 byte
     products per instruction on "avx512vnni", 32 on "avxvnni", each counts
-    1).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
-    "avx512vnni", "neon"; None: the active one,
+    1); "sdot", its counterpart on "neondot" (16 products).  simd: the path
+    ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon",
+    "neondot"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop
@@ -254,7 +255,7 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     """Seconds one run of the probe took; checks the lanes it counted and its
     checksum: with a = 0.5, b = 1 every FMA lane ends at exactly 2 after >= 256
     rounds (2^-256 times any start is below half an ulp of 2); every dpbusd
-    int32 lane k (16 or 8 per chain) ends at k + 4 * iters."""
+    or sdot int32 lane k (16, 8 or 4 per chain) ends at k + 4 * iters."""
     import time
     cdef uint64_t lanes
     cdef double total = 0.0
@@ -262,7 +263,7 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     with nogil:
         lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
     dt = time.perf_counter() - t0
-    if k == PKV_PEAK_DPBUSD:
+    if k == PKV_PEAK_DPBUSD or k == PKV_PEAK_SDOT:
         n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 4  # int32 lanes, 4 products each
         want = float(nt * (n32 * (n32 - 1) // 2 + n32 * 4 * iters))
     else:

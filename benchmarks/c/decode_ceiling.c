@@ -73,7 +73,7 @@ static void summary(const char *name, double *t, int n, double bytes, double *me
 }
 
 static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon",
-                                                     "avx512vnni", "avxvnni"};
+                                                     "avx512vnni", "avxvnni", "neondot"};
 
 static int simd_from_env(void) {
     const int det = pkv_detect_simd();

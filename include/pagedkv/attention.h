@@ -86,6 +86,19 @@ PKV_TARGET_END
 #define PKV_T_F64 0
 #include "vocab_neon.h"
 #include "attn_instances.h"
+/* ---- NEON + dot product: NEON's kernels, but int8 keys in float32 scored
+ * with sdot on a quantized query (attn_dot.h) ---------------------------- */
+#if PKV_HAVE_NEONDOT
+#define PKV_I8_DOT 1
+#define PKV_DOT_ISA PKV_DOT_SDOT
+#define PKV_DOT_TAG _f32_neondot
+PKV_TARGET_BEGIN(PKV_NEONDOT_TARGET)
+#include "attn_instances.h"
+PKV_TARGET_END
+#undef PKV_I8_DOT
+#undef PKV_DOT_ISA
+#undef PKV_DOT_TAG
+#endif
 #include "attn_vocab_end.h"
 #define PKV_T_F64 1
 #include "vocab_neon.h"
@@ -109,6 +122,9 @@ typedef struct {
     [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVXVNNI] = PKV_KERNELS(st, ct, vnni256), \
     [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni512)
 #define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512)
+#elif PKV_ARM64 && PKV_HAVE_NEONDOT
+#define PKV_KERNELS_ARM(st, ct, dot) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon), [PKV_SIMD_NEONDOT] = PKV_KERNELS(st, ct, dot)
+#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_ARM(st, ct, neon)
 #elif PKV_ARM64
 #define PKV_KERNELS_SIMD(st, ct) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon)
 #else
@@ -129,6 +145,9 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
 #if PKV_X86
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
                          PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni)},
+#elif PKV_ARM64 && PKV_HAVE_NEONDOT
+    [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
+                         PKV_KERNELS_ARM(i8, f32, neondot)},
 #else
     [PKV_I8][PKV_F32] = PKV_KERNELS_ALL(i8, f32),
 #endif
@@ -136,9 +155,10 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
 };
 
 /* 1 when path `simd` scores int8 keys in float32 with an integer dot
- * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI */
+ * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI,
+ * sdot of NEON + dot product */
 static inline int pkv_simd_int8_dot(int simd) {
-    return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI;
+    return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_NEONDOT;
 }
 
 /* 1 when the kernels of (storage, compute, simd) round the queries to int8 for

@@ -1,7 +1,8 @@
 /* pagedkv/attn_dot.h -- int8 keys scored with an integer dot product,
  * float32 compute.  Included by attn_tile.h when PKV_I8_DOT is 1 (attention.h
  * instantiates that once per integer path, PKV_DOT_ISA naming it: vpdpbusd
- * of AVX-512 + VNNI on 16 keys a vector, of AVX-VNNI on 8): the
+ * of AVX-512 + VNNI on 16 keys a vector, of AVX-VNNI on 8, sdot of NEON +
+ * dot product on 4): the
  * quantized query rows, their row handle (PKV_KFN(qrow_t)) and the score
  * micro-kernels (PKV_DOT_MK), which attn_tile.h instantiates and its
  * tile_scores calls in place of the float ones; a template like
@@ -34,7 +35,7 @@
  * int32 lane.  The keys are the unsigned side: a stored key byte k is read
  * as k + 128 (its top bit flipped), and each group's sum starts at -128 *
  * (the sum of the row's int8 values over the group) to take the offset off
- * again.
+ * again (PKV_DOT_KOFF).  sdot multiplies signed by signed bytes: no offset.
  *
  * Plain AVX2 keeps the float scores: vpmaddubsw (unsigned x signed bytes
  * into saturating int16 pairs, so |k| times q with k's sign, then vpmaddwd
@@ -44,10 +45,11 @@
  */
 #define PKV_DOT_VNNI512 1
 #define PKV_DOT_VNNI256 2
+#define PKV_DOT_SDOT 3
 
 /* the integer vocabulary of the path: PKV_DI a vector of PKV_W int32 lanes,
  * PKV_DOT4(acc, k, b) = acc + the 4-byte dot products of lanes k (keys, as
- * kquad leaves them) and b (4 query values) */
+ * kquad leaves them) and b (4 query values), PKV_DOT_KOFF the keys' offset */
 #if PKV_DOT_ISA == PKV_DOT_VNNI512
 _Static_assert(PKV_W == 16, "AVX-512 vectors are 16 keys");
 #define PKV_DI __m512i
@@ -56,6 +58,16 @@ _Static_assert(PKV_W == 16, "AVX-512 vectors are 16 keys");
 #define PKV_DI_ADD(a, b) _mm512_add_epi32(a, b)
 #define PKV_DI_TOF(x) _mm512_cvtepi32_ps(x)
 #define PKV_DOT4(acc, k, b) _mm512_dpbusd_epi32(acc, k, b)
+#define PKV_DOT_KOFF 128
+#elif PKV_DOT_ISA == PKV_DOT_SDOT
+_Static_assert(PKV_W == 4, "NEON vectors are 4 keys");
+#define PKV_DI int32x4_t
+#define PKV_DI_SET1(x) vdupq_n_s32(x)
+#define PKV_DI_ZERO() vdupq_n_s32(0)
+#define PKV_DI_ADD(a, b) vaddq_s32(a, b)
+#define PKV_DI_TOF(x) vcvtq_f32_s32(x)
+#define PKV_DOT4(acc, k, b) vdotq_s32(acc, vreinterpretq_s8_s32(k), vreinterpretq_s8_s32(b))
+#define PKV_DOT_KOFF 0
 #else
 _Static_assert(PKV_W == 8, "AVX2 vectors are 8 keys");
 #define PKV_DI __m256i
@@ -64,6 +76,7 @@ _Static_assert(PKV_W == 8, "AVX2 vectors are 8 keys");
 #define PKV_DI_ADD(a, b) _mm256_add_epi32(a, b)
 #define PKV_DI_TOF(x) _mm256_cvtepi32_ps(x)
 #define PKV_DOT4(acc, k, b) _mm256_dpbusd_avx_epi32(acc, k, b)
+#define PKV_DOT_KOFF 128
 #endif
 
 /* The quantized query rows of one head: row a's int8 values at q + a * ldq
@@ -135,7 +148,7 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
             }
 #endif
             sc[(size_t)a * ng + g] = s;
-            corr[(size_t)a * ng + g] = -128 * sum;
+            corr[(size_t)a * ng + g] = -PKV_DOT_KOFF * sum;
         }
         for (int i = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP * PKV_I8_GROUP; i < ldq; i++) qr[i] = 0;
     }
@@ -172,8 +185,8 @@ static inline PKV_KFN(qrows_t) PKV_KFN(qrows_from)(const PKV_KFN(qrows_t) *all, 
 }
 
 /* K^T rows i .. i + 3 of PKV_W keys (rows `stride` bytes apart) as PKV_W
- * int32 lanes of 4 unsigned bytes, one key's 4 dimensions each (top bits
- * flipped) */
+ * int32 lanes of 4 bytes, one key's 4 dimensions each (unsigned, top bits
+ * flipped, for vpdpbusd; as stored for sdot) */
 #if PKV_DOT_ISA == PKV_DOT_VNNI512
 static inline __m512i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
     __m512i x;
@@ -192,6 +205,16 @@ static inline __m512i PKV_KFN(kquad)(const int8_t *p, size_t stride) {
     const __m512i bidx = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
     x = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(didx, x), bidx);
     return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
+}
+#elif PKV_DOT_ISA == PKV_DOT_SDOT
+static inline int32x4_t PKV_KFN(kquad)(const int8_t *p, size_t stride) {
+    /* the four rows' 4 bytes each (r0 k0..k3, r1 k0..k3, ...), then a 4 x 4
+     * byte transpose: key j's bytes r0 r1 r2 r3 */
+    uint32_t w[4];
+    for (int r = 0; r < 4; r++) memcpy(w + r, p + (size_t)r * stride, 4);
+    static const uint8_t idx[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    const uint8x16_t x = vreinterpretq_u8_u32(vld1q_u32(w));
+    return vreinterpretq_s32_u8(vqtbl1q_u8(x, vld1q_u8(idx)));
 }
 #else
 static inline __m256i PKV_KFN(kquad)(const int8_t *p, size_t stride) {

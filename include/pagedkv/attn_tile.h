@@ -164,6 +164,7 @@ PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
 #undef PKV_DI_ADD
 #undef PKV_DI_TOF
 #undef PKV_DOT4
+#undef PKV_DOT_KOFF
 #undef PKV_SC_GROUP_PUT
 #undef PKV_SC_K
 #undef PKV_SC_Q

@@ -23,7 +23,8 @@
  * dot product the int8 scores of the VNNI paths are built on (vpdpbusd:
  * products of unsigned by signed bytes, summed four at a time into int32
  * lanes); its lanes are the products, so 64 per instruction on AVX-512 +
- * VNNI, 32 on AVX2 + AVX-VNNI.
+ * VNNI, 32 on AVX2 + AVX-VNNI.  PKV_PEAK_SDOT is its aarch64 counterpart
+ * (sdot: signed bytes, 16 products per instruction).
  * Its chains start at lane k = k and add 4 * 1 * 1 each round (bytes 1 and
  * 1), an exact checksum too.  Callers select by kind.
  *
@@ -42,7 +43,8 @@ enum {
     PKV_PEAK_FMA_F32 = 0,
     PKV_PEAK_FMA_F64 = 1,
     PKV_PEAK_DPBUSD = 2, /* the VNNI paths only */
-    PKV_NUM_PEAK_KINDS = 3
+    PKV_PEAK_SDOT = 3,   /* NEON + dot product only */
+    PKV_NUM_PEAK_KINDS = 4
 };
 
 #define PKV_PEAK_CHAINS 12
@@ -178,6 +180,38 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_neon, float64x2_t, double, 2, vdupq_n_f64, vld1
                 PKV_PK_FMA_F64X2)
 #undef PKV_PK_FMA_F32X4
 #undef PKV_PK_FMA_F64X2
+
+#if PKV_HAVE_NEONDOT
+/* sdot chains, as the vpdpbusd ones above: bytes 1, lane k from k, + 4 a round */
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+PKV_PEAK_FN uint64_t pkv_peak_sdot_neondot(int64_t iters, double a, double b, double *sum) {
+    (void)a;
+    (void)b;
+    int32_t buf[PKV_PEAK_CHAINS * 4];
+    for (int k = 0; k < PKV_PEAK_CHAINS * 4; k++) buf[k] = k;
+    const int8x16_t ones = vdupq_n_s8(1);
+    int32x4_t c0 = vld1q_s32(buf), c1 = vld1q_s32(buf + 4), c2 = vld1q_s32(buf + 8),
+              c3 = vld1q_s32(buf + 12), c4 = vld1q_s32(buf + 16), c5 = vld1q_s32(buf + 20),
+              c6 = vld1q_s32(buf + 24), c7 = vld1q_s32(buf + 28), c8 = vld1q_s32(buf + 32),
+              c9 = vld1q_s32(buf + 36), c10 = vld1q_s32(buf + 40), c11 = vld1q_s32(buf + 44);
+    for (int64_t i = 0; i < iters; i++) {
+        c0 = vdotq_s32(c0, ones, ones); c1 = vdotq_s32(c1, ones, ones); c2 = vdotq_s32(c2, ones, ones);
+        c3 = vdotq_s32(c3, ones, ones); c4 = vdotq_s32(c4, ones, ones); c5 = vdotq_s32(c5, ones, ones);
+        c6 = vdotq_s32(c6, ones, ones); c7 = vdotq_s32(c7, ones, ones); c8 = vdotq_s32(c8, ones, ones);
+        c9 = vdotq_s32(c9, ones, ones); c10 = vdotq_s32(c10, ones, ones); c11 = vdotq_s32(c11, ones, ones);
+    }
+    const int32x4_t c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    int64_t s = 0;
+    for (int j = 0; j < PKV_PEAK_CHAINS; j++) {
+        vst1q_s32(buf, c[j]);
+        for (int k = 0; k < 4; k++) s += buf[k];
+    }
+    *sum = (double)s;
+    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 16 : 0;
+}
+#pragma GCC pop_options
+#endif
 #endif /* PKV_ARM64 */
 #undef PKV_PK_ID
 #undef PKV_PK_DEREF
@@ -192,6 +226,9 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
 #if PKV_X86
     if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVX512VNNI) return pkv_peak_dpbusd_avx512vnni;
     if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVXVNNI) return pkv_peak_dpbusd_avxvnni;
+#endif
+#if PKV_ARM64 && PKV_HAVE_NEONDOT
+    if (kind == PKV_PEAK_SDOT && simd == PKV_SIMD_NEONDOT) return pkv_peak_sdot_neondot;
 #endif
     if (kind != PKV_PEAK_FMA_F32 && kind != PKV_PEAK_FMA_F64) return 0;
     simd = pkv_simd_base(simd);
@@ -211,6 +248,7 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
 static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
     if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVX512VNNI ? 64 : 32;
+    if (kind == PKV_PEAK_SDOT) return 16;
     const int f64 = kind == PKV_PEAK_FMA_F64;
     switch (pkv_simd_base(simd)) {
     case PKV_SIMD_AVX2: return f64 ? 4 : 8;

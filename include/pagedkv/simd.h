@@ -15,7 +15,10 @@
  * aarch64: scalar and NEON (Advanced SIMD, 128-bit, with FMA and f64 lanes).
  * Advanced SIMD is part of the base AArch64 architecture, so its kernels
  * need no target pragma; on Linux the path is still confirmed with
- * HWCAP_ASIMD (a kernel can hide it), elsewhere it is assumed.
+ * HWCAP_ASIMD (a kernel can hide it), elsewhere it is assumed.  NEON + dot
+ * product (sdot, FEAT_DotProd, Armv8.2 and later) runs NEON's kernels but
+ * scores int8 keys in float32 with sdot; it is built by GCC on Linux (a
+ * target pragma; detected with HWCAP_ASIMDDP), not elsewhere.
  */
 #pragma once
 #include <stdint.h>
@@ -27,7 +30,8 @@ enum {
     PKV_SIMD_NEON = 3,
     PKV_SIMD_AVX512VNNI = 4, /* AVX-512 + AVX512_VNNI */
     PKV_SIMD_AVXVNNI = 5,    /* AVX2 + AVX-VNNI (256-bit vpdpbusd, no AVX-512) */
-    PKV_NUM_SIMD = 6
+    PKV_SIMD_NEONDOT = 6,    /* NEON + the dot product extension (sdot) */
+    PKV_NUM_SIMD = 7
 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -97,10 +101,21 @@ static inline int pkv_detect_simd(void) {
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+#define PKV_HAVE_NEONDOT 1 /* attention.h builds the sdot kernels */
+#else
+#define PKV_HAVE_NEONDOT 0
+#endif
 static inline int pkv_detect_simd(void) {
-    return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? PKV_SIMD_NEON : PKV_SIMD_SCALAR;
+    const unsigned long hw = getauxval(AT_HWCAP);
+    if (!(hw & HWCAP_ASIMD)) return PKV_SIMD_SCALAR;
+    return PKV_HAVE_NEONDOT && (hw & HWCAP_ASIMDDP) ? PKV_SIMD_NEONDOT : PKV_SIMD_NEON;
 }
 #else
+#define PKV_HAVE_NEONDOT 0
 static inline int pkv_detect_simd(void) { return PKV_SIMD_NEON; }
 #endif
 static inline int pkv_cpu_is_intel(void) { return 0; }
@@ -113,22 +128,29 @@ static inline int pkv_cpu_is_intel(void) { return 0; }
 #endif
 
 /* 1 when path `simd` runs here and was built: scalar always; on x86-64
- * each path whose instructions the CPU and OS have, on aarch64 NEON where
- * detected. */
+ * each path whose instructions the CPU and OS have; on aarch64 the detected
+ * path and NEON below NEON + dot product. */
 static inline int pkv_simd_supported(int simd) {
     if (simd == PKV_SIMD_SCALAR) return 1;
 #if PKV_X86
-    return simd > 0 && simd < PKV_NUM_SIMD && simd != PKV_SIMD_NEON && ((pkv_x86_paths() >> simd) & 1);
+    return simd > 0 && simd < PKV_NUM_SIMD && simd != PKV_SIMD_NEON && simd != PKV_SIMD_NEONDOT &&
+           ((pkv_x86_paths() >> simd) & 1);
 #else
-    return simd == pkv_detect_simd();
+    const int best = pkv_detect_simd();
+    return simd == best || (simd == PKV_SIMD_NEON && best == PKV_SIMD_NEONDOT);
 #endif
 }
 
 /* The path whose kernels path `simd` shares outside the int8 scores (the
  * read, linear and peak helpers of AVX-512 + VNNI are AVX-512's, those of
- * AVX2 + AVX-VNNI AVX2's). */
+ * AVX2 + AVX-VNNI AVX2's, those of NEON + dot product NEON's). */
 static inline int pkv_simd_base(int simd) {
-    return simd == PKV_SIMD_AVX512VNNI ? PKV_SIMD_AVX512 : simd == PKV_SIMD_AVXVNNI ? PKV_SIMD_AVX2 : simd;
+    switch (simd) {
+    case PKV_SIMD_AVX512VNNI: return PKV_SIMD_AVX512;
+    case PKV_SIMD_AVXVNNI: return PKV_SIMD_AVX2;
+    case PKV_SIMD_NEONDOT: return PKV_SIMD_NEON;
+    default: return simd;
+    }
 }
 
 /* Key lanes of one vector of path `simd`'s float32 kernels (PKV_W) */

@@ -51,6 +51,15 @@ static inline float64x2_t pkv_scale2k_f64x2(float64x2_t p, float64x2_t k) {
     const int64x2_t e = vshlq_n_s64(vaddq_s64(vcvtq_s64_f64(k), vdupq_n_s64(1023)), 52);
     return vmulq_f64(p, vreinterpretq_f64_s64(e));
 }
+/* NEON + dot product (attention.h, GCC only: PKV_HAVE_NEONDOT): the int8
+ * scores' sdot, compiled between PKV_TARGET_BEGIN(PKV_NEONDOT_TARGET) and
+ * PKV_TARGET_END (Armv8.2, the first with the extension) */
+#if PKV_HAVE_NEONDOT
+#define PKV_STR(x) #x
+#define PKV_TARGET_BEGIN(s) _Pragma("GCC push_options") _Pragma(PKV_STR(GCC target(s)))
+#define PKV_TARGET_END _Pragma("GCC pop_options")
+#define PKV_NEONDOT_TARGET "arch=armv8.2-a+dotprod"
+#endif
 #endif /* PKV_VOCAB_NEON_HELPERS */
 
 #if PKV_T_F64

@@ -446,10 +446,14 @@ def peak_kind(dtype: str) -> str:
 
 def peak_kinds(cache, dtype: str) -> Tuple[str, str]:
     """The instructions of (scores, P.V) of `cache`'s decode: the compute type's
-    FMA for both, except where the cache scores int8 keys with vpdpbusd
-    (cache.quantizes_queries, the avx512vnni and avxvnni paths)."""
+    FMA for both, except where the cache scores int8 keys with an integer dot
+    product (cache.quantizes_queries): vpdpbusd on the avx512vnni and avxvnni
+    paths, sdot on neondot."""
     fma = peak_kind(dtype)
-    return ("dpbusd" if cache.quantizes_queries else fma), fma
+    if not cache.quantizes_queries:
+        return fma, fma
+    from pagedkv import simd_backend
+    return ("sdot" if simd_backend() == "neondot" else "dpbusd"), fma
 
 
 def _reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float) -> np.ndarray:
@@ -579,7 +583,7 @@ def _peak_line(recs: List[dict]) -> str:
     return (f"Instruction peaks of one core ({peaks[0]['simd']} path, 1 thread, best of short "
             "runs of 12 independent chains): "
             + ", ".join(f"{r['kind']} {fmt_num(r['lanes_per_s'] / 1e9)} G lanes/s"
-                        for r in peaks) + " (dpbusd: byte products).")
+                        for r in peaks) + " (dpbusd, sdot: byte products).")
 
 
 def _l2_head(r0: dict) -> str:
@@ -589,8 +593,8 @@ def _l2_head(r0: dict) -> str:
             f"{src}).\nG lanes/s = 2 * Hq * L * D / time (one multiply-add per query head and "
             "stored K or V element); %peak = the time the scores and P.V\nwould take at the peak "
             "of the instruction each is built on / the time taken: the FMA of the compute type "
-            "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the VNNI paths, "
-            "scored with vpdpbusd (peak: dpbusd) against the query rounded to int8.")
+            "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the integer dot paths, "
+            "scored with vpdpbusd or sdot against the query rounded to int8.")
 
 
 def _l2_rows(r: dict) -> List[List[str]]:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
-#   native    with $CC (default cc): scalar, and AVX2 / AVX-512 where this CPU has them
+#   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI
+#             where this CPU has them
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
-#             qemu-aarch64-static: scalar and NEON (skipped, saying so, when the
+#             qemu-aarch64-static: scalar, NEON and NEON + dot product, then again as
+#             a Cortex-A53, which lacks the dot product (skipped, saying so, when the
 #             tools are missing: apt-get install gcc-aarch64-linux-gnu qemu-user-static)
 # Usage: tests/c/run.sh [--native-only] [test_kernels options, e.g. --trials 20 --seed 7]
 # Exit status: 0 when every run passed.
@@ -46,7 +48,10 @@ build "$cc" "$out/test_kernels"
 if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null; then
     echo "== aarch64 under qemu-aarch64-static"
     build aarch64-linux-gnu-gcc "$out/test_kernels_aarch64" -static
-    qemu-aarch64-static "$out/test_kernels_aarch64" --require scalar --require neon "$@"
+    qemu-aarch64-static "$out/test_kernels_aarch64" --require scalar --require neon --require neondot "$@"
+    echo "== aarch64 under qemu-aarch64-static, a Cortex-A53 (no dot product: NEON's int8 kernels)"
+    QEMU_CPU=cortex-a53 qemu-aarch64-static "$out/test_kernels_aarch64" --require scalar --require neon \
+        --trials 12 "$@"
 else
     echo "== aarch64: skipped (aarch64-linux-gnu-gcc or qemu-aarch64-static not installed;" \
          "apt-get install gcc-aarch64-linux-gnu qemu-user-static)"

@@ -34,7 +34,7 @@
 #include "pagedkv/attention.h"
 #include "pagedkv/linear.h"
 
-static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni"};
+static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot"};
 
 /* ---- reference attention -------------------------------------------------- */
 

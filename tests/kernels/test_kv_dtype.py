@@ -265,7 +265,7 @@ def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
 
 # the SIMD paths that score int8 keys in float32 with an integer dot product, and their key
 # vectors' width (include/pagedkv/attention.h: pkv_simd_int8_dot, pkv_dot_scores_apply)
-INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16}
+INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16, "neondot": 4}
 
 QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer dot product or not
     ("int8", "float32", 16, False), ("int8", "float32", 64, False), ("int8", "float32", 8, False),
@@ -276,7 +276,8 @@ QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer
 @pytest.mark.parametrize("kv_dtype,dtype,bs,rope", QUANTIZE_CASES)
 def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, rope):
     """cache.quantizes_queries is True exactly on the integer dot paths for int8 keys in float32
-    (blocks of at least one vector of keys: 16 on avx512vnni, 8 on avxvnni; no RoPE); then the output matches the reference with the rounded query
+    (blocks of at least one vector of keys: 16 on avx512vnni, 8 on avxvnni, 4 on neondot; no
+    RoPE); then the output matches the reference with the rounded query
     and not the one with the query as given (the difference is far beyond the tolerance, so the
     check can tell), otherwise the reverse."""
     c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,

@@ -12,9 +12,9 @@ KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
 # lanes per register of each path: (f32, f64)
 WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
-         "avx512vnni": (16, 8), "avxvnni": (8, 4)}  # their FMA loops are AVX-512's, AVX2's
-# int32 lanes per register of the vpdpbusd probe (4 byte products each), where there is one
-DPBUSD_LANES = {"avx512vnni": 16, "avxvnni": 8}
+         "avx512vnni": (16, 8), "avxvnni": (8, 4), "neondot": (4, 2)}  # FMA loops: the base path's
+# (kind, int32 lanes per register) of each path's integer dot probe (4 byte products a lane)
+DOT_PROBE = {"avx512vnni": ("dpbusd", 16), "avxvnni": ("dpbusd", 8), "neondot": ("sdot", 4)}
 PATHS = pagedkv.simd_supported()
 
 
@@ -65,26 +65,27 @@ def test_default_path_is_the_active_one():
         assert _fma_probe(kind, iters=4)[0] == 4 * CHAINS * _width(kind, active)
 
 
-@pytest.mark.parametrize("simd", [s for s in PATHS if s in DPBUSD_LANES])
+@pytest.mark.parametrize("simd", [s for s in PATHS if s in DOT_PROBE])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_dpbusd_probe_counts_its_products(simd, threads):
-    """vpdpbusd chains: 4 byte products per int32 lane (64 per AVX-512 instruction, 32 per
-    AVX-VNNI one), 12 chains; lane k starts at k and gains 4 * 1 * 1 a round, so the lanes sum
-    to an exact checksum."""
-    w = DPBUSD_LANES[simd]
+def test_dot_probe_counts_its_products(simd, threads):
+    """vpdpbusd / sdot chains: 4 byte products per int32 lane (64 per AVX-512 instruction, 32
+    per AVX-VNNI one, 16 per sdot), 12 chains; lane k starts at k and gains 4 * 1 * 1 a round,
+    so the lanes sum to an exact checksum."""
+    kind, w = DOT_PROBE[simd]
     for iters in (0, 1, 2, 17):
-        lanes, total = _fma_probe("dpbusd", simd=simd, iters=iters, threads=threads)
+        lanes, total = _fma_probe(kind, simd=simd, iters=iters, threads=threads)
         assert lanes == threads * CHAINS * 4 * w * iters
         assert total == threads * sum(k + 4 * iters for k in range(CHAINS * w))
-    rate = instruction_peak("dpbusd", simd=simd, threads=1, seconds=0.005, repeats=3)
+    rate = instruction_peak(kind, simd=simd, threads=1, seconds=0.005, repeats=3)
     assert math.isfinite(rate) and rate > 0
 
 
-def test_dpbusd_probe_only_on_the_vnni_paths():
+def test_dot_probes_only_on_their_paths():
     for simd in PATHS:
-        if simd not in DPBUSD_LANES:
-            with pytest.raises(ValueError, match="no dpbusd probe"):
-                instruction_peak("dpbusd", simd=simd)
+        for kind in ("dpbusd", "sdot"):
+            if DOT_PROBE.get(simd, (None,))[0] != kind:
+                with pytest.raises(ValueError, match=f"no {kind} probe"):
+                    instruction_peak(kind, simd=simd)
 
 
 def test_bad_arguments_raise_value_error():

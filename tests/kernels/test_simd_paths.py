@@ -24,7 +24,7 @@ def _cpu_flags():
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):  # x86-64, aarch64
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -41,9 +41,11 @@ if {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"} <= FLA
     SUPPORTED.append("avx512")  # what include/pagedkv/simd.h requires (F, DQ, BW, VL)
 if platform.machine().lower() in ("aarch64", "arm64"):
     SUPPORTED.append("neon")  # Advanced SIMD: part of every AArch64 CPU
+    if "asimddp" in FLAGS and sys.platform.startswith("linux"):
+        SUPPORTED.append("neondot")  # the dot product extension (built by GCC on Linux)
 if "avx512" in SUPPORTED and "avx512_vnni" in FLAGS:
     SUPPORTED.append("avx512vnni")  # AVX-512 with int8 keys scored by vpdpbusd
-UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni")
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot")
                if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
