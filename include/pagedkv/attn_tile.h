@@ -547,8 +547,9 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         const PKV_T mx = PKV_FN(row_max)(sv, cnt - st) * c;
         if (mx != mx) { /* NaN scores (a NaN or infinite query value): a NaN row on every path */
             for (int j = 0; j < n; j++) s[j] = (PKV_T)NAN;
-            l[i] = m[i] = NAN;
-            alpha[a] = 1;
+            alpha[a] = m[i] == -INFINITY ? 0 : 1; /* acc becomes NaN either way */
+            if (m[i] == -INFINITY) m[i] = 0;       /* finite, so later tiles' alpha keeps acc */
+            l[i] = NAN;
             continue;
         }
         const double m_new = m[i] > (double)mx ? m[i] : (double)mx;

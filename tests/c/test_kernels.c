@@ -316,6 +316,27 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, c->nseq,
                   c->rope_half, (long long)plan[2], (long long)o.window, o.softcap, o.sinks != NULL);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
+            if (nt == 1 && !(o.softcap > 0)) { /* softcapping maps a NaN score to -softcap */
+                /* a NaN in query head 0 of sequence 0: that head's output is NaN on every
+                 * path, every other output the same bits as without it */
+                const size_t nout = (size_t)c->nseq * row * c->item;
+                char *good = xalloc(nout);
+                memcpy(good, out, nout);
+                const double keep = get(qd, (size_t)d / 2, dt);
+                put(qd, (size_t)d / 2, dt, NAN);
+                memset(out, 0xFF, nout);
+                kern->decode(&a);
+                int nan_head = 1;
+                for (int i = 0; i < d; i++) nan_head &= isnan(get(out, (size_t)i, dt));
+                CHECK(nan_head && !memcmp((char *)out + (size_t)d * c->item, good + (size_t)d * c->item,
+                                          nout - (size_t)d * c->item),
+                      "decode %s %s/%s with a NaN query value: head 0 all NaN %d, other heads unchanged %d",
+                      simd_names[simd], dtype_names[c->st], dtype_names[dt], nan_head,
+                      !memcmp((char *)out + (size_t)d * c->item, good + (size_t)d * c->item,
+                              nout - (size_t)d * c->item));
+                put(qd, (size_t)d / 2, dt, keep);
+                free(good);
+            }
             t->threaded += plan[0] > 1;
             t->split += plan[2] > 1;
 
