@@ -17,8 +17,8 @@
  * need no target pragma; on Linux the path is still confirmed with
  * HWCAP_ASIMD (a kernel can hide it), elsewhere it is assumed.  NEON + dot
  * product (sdot, FEAT_DotProd, Armv8.2 and later) runs NEON's kernels but
- * scores int8 keys in float32 with sdot; it is built by GCC on Linux (a
- * target pragma; detected with HWCAP_ASIMDDP), not elsewhere.
+ * scores int8 keys in float32 with sdot; it is built by GCC 8 or later on
+ * Linux (a target pragma; detected with HWCAP_ASIMDDP), not elsewhere.
  */
 #pragma once
 #include <stdint.h>
@@ -104,7 +104,7 @@ static inline int pkv_detect_simd(void) {
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8 /* +dotprod: GCC 8 on */
 #define PKV_HAVE_NEONDOT 1 /* attention.h builds the sdot kernels */
 #else
 #define PKV_HAVE_NEONDOT 0
