@@ -72,8 +72,7 @@ static void summary(const char *name, double *t, int n, double bytes, double *me
     *med_out = med;
 }
 
-static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon",
-                                                     "avx512vnni", "avxvnni", "neondot"};
+static const char *const simd_names[PKV_NUM_SIMD] = PKV_SIMD_NAMES;
 
 static int simd_from_env(void) {
     const int det = pkv_detect_simd();

@@ -166,7 +166,7 @@ static inline int pkv_simd_int8_dot(int simd) {
  * attn_dot.h, in their instances, where pkv_dot_scores_apply says. */
 static inline int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope) {
     return storage == PKV_I8 && compute == PKV_F32 && pkv_simd_int8_dot(simd) &&
-           pkv_dot_scores_apply(bs, rope ? (const void *)1 : NULL, pkv_simd_f32_lanes(simd));
+           pkv_dot_scores_apply(bs, rope, pkv_simd_f32_lanes(simd));
 }
 
 /* The kernels for (storage, compute, simd), or NULL when not built. */

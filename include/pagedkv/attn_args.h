@@ -186,7 +186,7 @@ static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {
  * vector of w keys (PKV_W), keys scored as stored (RoPE rotates them into
  * float32 first).  attn_item.h takes that branch; pkv_quantizes_queries
  * (attention.h) tells the callers. */
-static inline int pkv_dot_scores_apply(int bs, const void *rope, int w) { return bs >= w && !rope; }
+static inline int pkv_dot_scores_apply(int bs, int rope, int w) { return bs >= w && !rope; }
 
 /* The query rows quantized for integer scores (attn_dot.h): int8 values,
  * whole groups of PKV_I8_GROUP per row, then a float32 scale and an int32

@@ -58,7 +58,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
 #if PKV_I8_DOT
     /* the rows quantized once for the integer scores (keys scored as stored) */
     PKV_KFN(qrows_t) qd = {0};
-    if (pkv_dot_scores_apply(bs, a->rope, PKV_W)) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
+    if (pkv_dot_scores_apply(bs, a->rope != NULL, PKV_W)) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
 #else
     (void)qdot;
 #endif

@@ -103,29 +103,13 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f32_scalar, float, float, 1, PKV_PK_ID, PKV_PK_DERE
 PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DEREF, PKV_PK_ASSIGN,
                 PKV_PK_MULADD)
 
-#if PKV_X86
-#include <immintrin.h>
-/* Both loops of an x86 path: pkv_peak_fma_{f32,f64}_<isa> with the target
- * attribute `tgt`, over registers V32 / V64 of W32 floats (W32 / 2
- * doubles) and the intrinsics of prefix `mm` (_mm256, _mm512). */
-#define PKV_PEAK_DEFINE_X86(isa, tgt, V32, V64, W32, mm)                                     \
-    __attribute__((target(tgt)))                                                             \
-    PKV_PEAK_DEFINE(pkv_peak_fma_f32_##isa, V32, float, W32, mm##_set1_ps, mm##_loadu_ps,    \
-                    mm##_storeu_ps, mm##_fmadd_ps)                                           \
-    __attribute__((target(tgt)))                                                             \
-    PKV_PEAK_DEFINE(pkv_peak_fma_f64_##isa, V64, double, (W32) / 2, mm##_set1_pd,            \
-                    mm##_loadu_pd, mm##_storeu_pd, mm##_fmadd_pd)
-/* AVX2 + FMA: 8 / 4 lanes; AVX-512: 16 / 8 lanes */
-PKV_PEAK_DEFINE_X86(avx2, "avx2,fma", __m256, __m256d, 8, _mm256)
-PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
-#undef PKV_PEAK_DEFINE_X86
-
-/* vpdpbusd chains: c = c + dot4(a, b) per int32 lane, a and b all bytes 1
- * (a and b of the signature are not used: the checksum is exact anyway);
- * the chains as in PKV_PEAK_DEFINE, the sum in int64.  PKV_PEAK_DEFINE_DP
- * defines one over vector type V of W int32 lanes (DP: the instruction,
- * SET1 / LOAD / STORE of int32 lanes); the AVX-512 and the AVX-VNNI
- * (VEX-encoded, 256-bit) forms below. */
+/* Integer dot chains (vpdpbusd, sdot): c = c + dot4(a, b) per int32 lane, a
+ * and b all bytes 1 (a and b of the signature are not used: the checksum is
+ * exact anyway); the chains as in PKV_PEAK_DEFINE, the sum in int64.
+ * PKV_PEAK_DEFINE_DP defines one over vector type V of W int32 lanes (DP:
+ * the instruction, SET1 / LOAD / STORE of int32 lanes) with the target
+ * attribute `tgt`: the AVX-512, AVX-VNNI (VEX-encoded, 256-bit) and NEON +
+ * dot product forms below. */
 #define PKV_PEAK_DEFINE_DP(name, tgt, V, W, DP, SET1, LOAD, STORE)                             \
     __attribute__((target(tgt))) PKV_PEAK_FN uint64_t name(int64_t iters, double a, double b, \
                                                             double *sum) {                    \
@@ -153,6 +137,24 @@ PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
         *sum = (double)s;                                                                     \
         return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 4 * (W) : 0;                   \
     }
+
+#if PKV_X86
+#include <immintrin.h>
+/* Both loops of an x86 path: pkv_peak_fma_{f32,f64}_<isa> with the target
+ * attribute `tgt`, over registers V32 / V64 of W32 floats (W32 / 2
+ * doubles) and the intrinsics of prefix `mm` (_mm256, _mm512). */
+#define PKV_PEAK_DEFINE_X86(isa, tgt, V32, V64, W32, mm)                                     \
+    __attribute__((target(tgt)))                                                             \
+    PKV_PEAK_DEFINE(pkv_peak_fma_f32_##isa, V32, float, W32, mm##_set1_ps, mm##_loadu_ps,    \
+                    mm##_storeu_ps, mm##_fmadd_ps)                                           \
+    __attribute__((target(tgt)))                                                             \
+    PKV_PEAK_DEFINE(pkv_peak_fma_f64_##isa, V64, double, (W32) / 2, mm##_set1_pd,            \
+                    mm##_loadu_pd, mm##_storeu_pd, mm##_fmadd_pd)
+/* AVX2 + FMA: 8 / 4 lanes; AVX-512: 16 / 8 lanes */
+PKV_PEAK_DEFINE_X86(avx2, "avx2,fma", __m256, __m256d, 8, _mm256)
+PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
+#undef PKV_PEAK_DEFINE_X86
+
 #define PKV_PK_LD512(p) _mm512_loadu_si512(p)
 #define PKV_PK_ST512(p, x) _mm512_storeu_si512(p, x)
 #define PKV_PK_LD256(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -165,7 +167,6 @@ PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avxvnni, "avx2,avxvnni", __m256i, 8, _mm256_d
 #undef PKV_PK_ST512
 #undef PKV_PK_LD256
 #undef PKV_PK_ST256
-#undef PKV_PEAK_DEFINE_DP
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -182,37 +183,14 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_neon, float64x2_t, double, 2, vdupq_n_f64, vld1
 #undef PKV_PK_FMA_F64X2
 
 #if PKV_HAVE_NEONDOT
-/* sdot chains, as the vpdpbusd ones above: bytes 1, lane k from k, + 4 a round */
-#pragma GCC push_options
-#pragma GCC target("arch=armv8.2-a+dotprod")
-PKV_PEAK_FN uint64_t pkv_peak_sdot_neondot(int64_t iters, double a, double b, double *sum) {
-    (void)a;
-    (void)b;
-    int32_t buf[PKV_PEAK_CHAINS * 4];
-    for (int k = 0; k < PKV_PEAK_CHAINS * 4; k++) buf[k] = k;
-    const int8x16_t ones = vdupq_n_s8(1);
-    int32x4_t c0 = vld1q_s32(buf), c1 = vld1q_s32(buf + 4), c2 = vld1q_s32(buf + 8),
-              c3 = vld1q_s32(buf + 12), c4 = vld1q_s32(buf + 16), c5 = vld1q_s32(buf + 20),
-              c6 = vld1q_s32(buf + 24), c7 = vld1q_s32(buf + 28), c8 = vld1q_s32(buf + 32),
-              c9 = vld1q_s32(buf + 36), c10 = vld1q_s32(buf + 40), c11 = vld1q_s32(buf + 44);
-    for (int64_t i = 0; i < iters; i++) {
-        c0 = vdotq_s32(c0, ones, ones); c1 = vdotq_s32(c1, ones, ones); c2 = vdotq_s32(c2, ones, ones);
-        c3 = vdotq_s32(c3, ones, ones); c4 = vdotq_s32(c4, ones, ones); c5 = vdotq_s32(c5, ones, ones);
-        c6 = vdotq_s32(c6, ones, ones); c7 = vdotq_s32(c7, ones, ones); c8 = vdotq_s32(c8, ones, ones);
-        c9 = vdotq_s32(c9, ones, ones); c10 = vdotq_s32(c10, ones, ones); c11 = vdotq_s32(c11, ones, ones);
-    }
-    const int32x4_t c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
-    int64_t s = 0;
-    for (int j = 0; j < PKV_PEAK_CHAINS; j++) {
-        vst1q_s32(buf, c[j]);
-        for (int k = 0; k < 4; k++) s += buf[k];
-    }
-    *sum = (double)s;
-    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 16 : 0;
-}
-#pragma GCC pop_options
+/* sdot on int32 lanes as bytes (signed by signed: bytes 1 either way) */
+#define PKV_PK_SDOT(c, a, b) vdotq_s32(c, vreinterpretq_s8_s32(a), vreinterpretq_s8_s32(b))
+PKV_PEAK_DEFINE_DP(pkv_peak_sdot_neondot, "arch=armv8.2-a+dotprod", int32x4_t, 4, PKV_PK_SDOT,
+                   vdupq_n_s32, vld1q_s32, vst1q_s32)
+#undef PKV_PK_SDOT
 #endif
 #endif /* PKV_ARM64 */
+#undef PKV_PEAK_DEFINE_DP
 #undef PKV_PK_ID
 #undef PKV_PK_DEREF
 #undef PKV_PK_ASSIGN
@@ -249,13 +227,8 @@ static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
     if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVX512VNNI ? 64 : 32;
     if (kind == PKV_PEAK_SDOT) return 16;
-    const int f64 = kind == PKV_PEAK_FMA_F64;
-    switch (pkv_simd_base(simd)) {
-    case PKV_SIMD_AVX2: return f64 ? 4 : 8;
-    case PKV_SIMD_AVX512: return f64 ? 8 : 16;
-    case PKV_SIMD_NEON: return f64 ? 2 : 4;
-    default: return 1;
-    }
+    const int w = pkv_simd_f32_lanes(simd); /* float64: half as many, scalar 1 */
+    return kind == PKV_PEAK_FMA_F64 && w > 1 ? w / 2 : w;
 }
 
 /* Run the probe of (kind, simd) on nthreads threads at once (OpenMP; without

@@ -33,6 +33,8 @@ enum {
     PKV_SIMD_NEONDOT = 6,    /* NEON + the dot product extension (sdot) */
     PKV_NUM_SIMD = 7
 };
+/* their names (PAGEDKV_SIMD), indexed by PKV_SIMD_*: an initializer */
+#define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot"}
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define PKV_X86 1

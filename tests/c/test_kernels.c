@@ -34,7 +34,7 @@
 #include "pagedkv/attention.h"
 #include "pagedkv/linear.h"
 
-static const char *const simd_names[PKV_NUM_SIMD] = {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot"};
+static const char *const simd_names[PKV_NUM_SIMD] = PKV_SIMD_NAMES;
 
 /* ---- reference attention -------------------------------------------------- */
 
@@ -328,12 +328,11 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
                 kern->decode(&a);
                 int nan_head = 1;
                 for (int i = 0; i < d; i++) nan_head &= isnan(get(out, (size_t)i, dt));
-                CHECK(nan_head && !memcmp((char *)out + (size_t)d * c->item, good + (size_t)d * c->item,
-                                          nout - (size_t)d * c->item),
+                const size_t head = (size_t)d * c->item;
+                const int rest_same = !memcmp((char *)out + head, good + head, nout - head);
+                CHECK(nan_head && rest_same,
                       "decode %s %s/%s with a NaN query value: head 0 all NaN %d, other heads unchanged %d",
-                      simd_names[simd], dtype_names[c->st], dtype_names[dt], nan_head,
-                      !memcmp((char *)out + (size_t)d * c->item, good + (size_t)d * c->item,
-                              nout - (size_t)d * c->item));
+                      simd_names[simd], dtype_names[c->st], dtype_names[dt], nan_head, rest_same);
                 put(qd, (size_t)d / 2, dt, keep);
                 free(good);
             }
