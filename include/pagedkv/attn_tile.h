@@ -533,32 +533,50 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
                                          PKV_T *restrict alpha) {
     const int prescale = softcap > 0 || !(scale > 0);
     const PKV_T c = prescale ? (PKV_T)1 : scale; /* the scale still to apply */
-    for (int a = 0; a < na; a++, s += ldc) {
+    /* in three passes over the rows, so that no row waits on another's scalar
+     * chains: each row's visible columns [st, cnt) and new running max, the
+     * rescale factors of all rows as vector exps, then the weights and sums */
+    int st[PKV_MAX_ROWS], cnt[PKV_MAX_ROWS];
+    double mnew[PKV_MAX_ROWS];
+    PKV_T ea[PKV_MAX_ROWS + PKV_W]; /* exponents of the rescale factors, then the factors */
+    PKV_T *sa = s;
+    for (int a = 0; a < na; a++, sa += ldc) {
         const int i = rows[a];
         const int64_t c64 = lim[i] - r + 1;
-        const int cnt = c64 < n ? (int)c64 : n;
+        cnt[a] = c64 < n ? (int)c64 : n;
         const int64_t s64 = pkv_window_lo(lim[i], window) - r;
-        const int st = s64 > 0 ? (int)s64 : 0;
-        PKV_T *sv = s + st;
+        st[a] = s64 > 0 ? (int)s64 : 0;
+        PKV_T *sv = sa + st[a];
         if (prescale) {
-            PKV_FN(scale_row)(sv, cnt - st, scale);
-            if (softcap > 0) PKV_FN(softcap)(sv, cnt - st, softcap);
+            PKV_FN(scale_row)(sv, cnt[a] - st[a], scale);
+            if (softcap > 0) PKV_FN(softcap)(sv, cnt[a] - st[a], softcap);
         }
-        const PKV_T mx = PKV_FN(row_max)(sv, cnt - st) * c;
+        const PKV_T mx = PKV_FN(row_max)(sv, cnt[a] - st[a]) * c;
         if (mx != mx) { /* NaN scores (a NaN or infinite query value): a NaN row on every path */
-            for (int j = 0; j < n; j++) s[j] = (PKV_T)NAN;
+            for (int j = 0; j < n; j++) sa[j] = (PKV_T)NAN;
             alpha[a] = m[i] == -INFINITY ? 0 : 1; /* acc becomes NaN either way */
             if (m[i] == -INFINITY) m[i] = 0;       /* finite, so later tiles' alpha keeps acc */
             l[i] = NAN;
+            cnt[a] = -1; /* done */
+            ea[a] = 0;
             continue;
         }
-        const double m_new = m[i] > (double)mx ? m[i] : (double)mx;
-        const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : PKV_FN(sexp)((PKV_T)(m[i] - m_new));
-        const double psum = PKV_FN(exp_shift)(sv, cnt - st, c, (PKV_T)m_new);
-        for (int j = 0; j < st; j++) s[j] = 0;  /* before the window */
-        for (int j = cnt; j < n; j++) s[j] = 0; /* causally masked */
+        mnew[a] = m[i] > (double)mx ? m[i] : (double)mx;
+        ea[a] = m[i] == -INFINITY ? (PKV_T)0 : (PKV_T)(m[i] - mnew[a]);
+    }
+    int a = 0;
+    for (; a + PKV_W <= na; a += PKV_W) PKV_VSTORE(ea + a, PKV_FN(vexp)(PKV_VLOAD(ea + a)));
+    for (; a < na; a++) ea[a] = PKV_FN(sexp)(ea[a]);
+    sa = s;
+    for (a = 0; a < na; a++, sa += ldc) {
+        if (cnt[a] < 0) continue;
+        const int i = rows[a];
+        const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : ea[a]; /* 0: the row's first tile */
+        const double psum = PKV_FN(exp_shift)(sa + st[a], cnt[a] - st[a], c, (PKV_T)mnew[a]);
+        for (int j = 0; j < st[a]; j++) sa[j] = 0;  /* before the window */
+        for (int j = cnt[a]; j < n; j++) sa[j] = 0; /* causally masked */
         l[i] = l[i] * (double)al + psum;
-        m[i] = m_new;
+        m[i] = mnew[a];
         alpha[a] = al;
     }
 }
