@@ -148,10 +148,12 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
                                          int64_t it) {
     const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, tq = pl->tq;
     PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
-    /* latest tiles (most keys) first, for balance */
-    const int64_t tile = pl->ntile - 1 - it / ((int64_t)a->hkv * ngc);
-    const int h = (int)((it / ngc) % a->hkv);
-    const int gc = (int)(it % ngc);
+    /* head-major, each head's latest tiles (most keys) first: an item reads
+     * much of the K/V its predecessor read (from L2), and the last items are
+     * the smallest (balance) */
+    const int64_t tile = pl->ntile - 1 - it % pl->ntile;
+    const int gc = (int)((it / pl->ntile) % ngc);
+    const int h = (int)(it / (pl->ntile * ngc));
     const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
     const int64_t t0 = tile * tq;
     const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
