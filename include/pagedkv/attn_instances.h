@@ -65,8 +65,12 @@
 #define PKV_S uint16_t
 #define PKV_SLOAD(p) PKV_LD_BF16(p)
 #define PKV_SGET(p) ((PKV_T)pkv_bf16_to_f32(*(p)))
+#ifdef PKV_LD_BF16_PAIR /* the even or odd dimensions of two vectors (attn_tile.h) */
+#define PKV_SLOAD_PAIR(p, odd) PKV_LD_BF16_PAIR(p, odd)
+#endif
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_TAG)
 #include "attn_impl.h"
+#undef PKV_SLOAD_PAIR
 #undef PKV_KFN
 #undef PKV_SGET
 #undef PKV_SLOAD

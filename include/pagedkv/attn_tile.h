@@ -275,7 +275,15 @@ typedef struct {
 /* acc rows (one head) = acc * alpha + P . V over the tile's runs; p [na][ldc]
  * (with PKV_PV_FOLD, the weights times the chunk's group of V scales).  A row
  * whose alpha is 0 is at its first tile: its acc is set, never read (it is
- * not cleared before; tile_softmax's alpha is never 0 after a first tile). */
+ * not cleared before; tile_softmax's alpha is never 0 after a first tile).
+ * Paired (PKV_PV_PAIRED: storage with a PKV_SLOAD_PAIR, an even NV), vectors
+ * v and v + 1 of the tile hold the even and the odd dimensions of their 2W
+ * values, split from acc on entry and merged back on exit. */
+#ifdef PKV_SLOAD_PAIR
+#define PKV_PV_PAIRED(NV) ((NV) % 2 == 0)
+#else
+#define PKV_PV_PAIRED(NV) 0
+#endif
 #define PKV_PV_MK(NAME, R, NV, JS, PF)                                                             \
     static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
                                      const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
@@ -288,6 +296,7 @@ typedef struct {
                                              : PKV_VMUL(PKV_VLOAD(y[r] + i + v * PKV_W), al);      \
                 for (int u = 1; u < JS; u++) acc[u][r][v] = PKV_VZERO();                           \
             }                                                                                      \
+            if (PKV_PV_PAIRED(NV)) { PKV_PV_SPLIT(acc[0][r], NV) }                                 \
         }                                                                                          \
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int ru = 0; ru < nr; ru++) {                                                          \
@@ -295,16 +304,45 @@ typedef struct {
             const int n = runs[ru].n, col = runs[ru].col;                                          \
             PKV_PV_SCALES(NV)                                                                      \
             int j = 0;                                                                             \
-            PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V, PKV_PV_P, j, n)                                 \
+            if (PKV_PV_PAIRED(NV)) {                                                               \
+                PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V2, PKV_PV_P, j, n)                            \
+            } else {                                                                               \
+                PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V, PKV_PV_P, j, n)                             \
+            }                                                                                      \
         }                                                                                          \
         PKV_PFS_END(ps)                                                                            \
-        PKV_MK_REDUCE(acc, R, NV, JS, PKV_PV_PUT)                                                  \
+        PKV_VEC fin[R][NV];                                                                        \
+        PKV_MK_REDUCE(acc, R, NV, JS, PKV_PV_FIN)                                                  \
+        for (int r = 0; r < R; r++) {                                                              \
+            if (PKV_PV_PAIRED(NV)) { PKV_PV_MERGE(fin[r], NV) }                                    \
+            for (int v = 0; v < NV; v++) PKV_VSTORE(y[r] + i + v * PKV_W, fin[r][v]);              \
+        }                                                                                          \
     }
-/* output vector v of V row k of the run, row r's weight of that key, and the
- * updated output vector */
+/* output vector v of V row k of the run (paired: the even or odd dimensions
+ * of the pair v / 2), row r's weight of that key, and a finished vector */
 #define PKV_PV_V(v, k) PKV_PV_LOADV(vr + (size_t)(k) * d + v * PKV_W, v, k)
 #define PKV_PV_P(r, k) p[r][col + k]
-#define PKV_PV_PUT(r, v, nv, t) PKV_VSTORE(y[r] + i + v * PKV_W, t)
+#define PKV_PV_FIN(r, v, nv, t) fin[r][v] = t
+#ifdef PKV_SLOAD_PAIR
+#define PKV_PV_V2(v, k) PKV_SLOAD_PAIR(vr + (size_t)(k) * d + ((v) & ~1) * PKV_W, (v) & 1)
+/* x[0, NV) as consecutive values -> pairs of (even, odd) dimensions, and back */
+#define PKV_PV_SPLIT(x, NV)                                                                       \
+    for (int v = 0; v + 1 < NV; v += 2) {                                                         \
+        const PKV_VEC lo_ = (x)[v], hi_ = (x)[v + 1];                                             \
+        (x)[v] = PKV_VEVEN(lo_, hi_);                                                             \
+        (x)[v + 1] = PKV_VODD(lo_, hi_);                                                          \
+    }
+#define PKV_PV_MERGE(x, NV)                                                                       \
+    for (int v = 0; v + 1 < NV; v += 2) {                                                         \
+        const PKV_VEC e_ = (x)[v], o_ = (x)[v + 1];                                               \
+        (x)[v] = PKV_VILO(e_, o_);                                                                \
+        (x)[v + 1] = PKV_VIHI(e_, o_);                                                            \
+    }
+#else
+#define PKV_PV_V2(v, k) PKV_PV_V(v, k)
+#define PKV_PV_SPLIT(x, NV)
+#define PKV_PV_MERGE(x, NV)
+#endif
 
 #if PKV_STORE_SCALED && !PKV_PV_FOLD
 /* a vector of PKV_W dimensions lies in one scale group (PKV_W divides PKV_I8_GROUP) */
@@ -322,8 +360,12 @@ PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 #undef PKV_PV_V
+#undef PKV_PV_V2
 #undef PKV_PV_P
-#undef PKV_PV_PUT
+#undef PKV_PV_FIN
+#undef PKV_PV_PAIRED
+#undef PKV_PV_SPLIT
+#undef PKV_PV_MERGE
 
 /* one stored V value as PKV_T (dimension i of slot j of a run) */
 static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t bs, int d) {

@@ -24,6 +24,11 @@
 #undef PKV_LD_BF16
 #undef PKV_LD_F16
 #undef PKV_LD_I8
+#undef PKV_LD_BF16_PAIR
+#undef PKV_VEVEN
+#undef PKV_VODD
+#undef PKV_VILO
+#undef PKV_VIHI
 #undef PKV_T
 #undef PKV_T_F64
 #undef PKV_TAG

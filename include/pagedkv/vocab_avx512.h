@@ -76,5 +76,24 @@
                          5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),                                         \
         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p)))))
 #define PKV_LD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* P.V reads bfloat16 V rows two vectors at a time (attn_tile.h): one 64-byte
+ * load of 2W values, whose even dimensions are one shift away from float32
+ * and odd ones one mask away -- no word permute, which shares port 5 with the
+ * FMAs (a 4-row x 4-vector P.V tile in L1, Intel Xeon: 69 G multiply-adds/s
+ * against 57 with PKV_LD_BF16, float32 86).  The tile keeps its even and odd
+ * dimensions in separate accumulators: PKV_VEVEN / PKV_VODD split two vectors
+ * of consecutive values that way, PKV_VILO / PKV_VIHI put them back. */
+#define PKV_LD_BF16_PAIR(p, odd)                                                              \
+    ((odd) ? _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512((const void *)(p)),     \
+                                                  _mm512_set1_epi32((int)0xFFFF0000u)))      \
+           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)(p)), 16)))
+#define PKV_VEVEN(a, b) \
+    _mm512_permutex2var_ps(a, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), b)
+#define PKV_VODD(a, b) \
+    _mm512_permutex2var_ps(a, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), b)
+#define PKV_VILO(e, o) \
+    _mm512_permutex2var_ps(e, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), o)
+#define PKV_VIHI(e, o) \
+    _mm512_permutex2var_ps(e, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8), o)
 #define PKV_LD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #endif
