@@ -288,6 +288,7 @@ typedef struct {
     static inline void PKV_KFN(NAME)(PKV_T *const *y, const PKV_T *alpha, const PKV_T *const *p,   \
                                      const PKV_KFN(run_t) *runs, int nr, size_t bs, int d, int i,  \
                                      pkv_pfs *ps) {                                                \
+        const int pair_ = PKV_PV_PAIRED(NV);                                                       \
         PKV_VEC acc[JS][R][NV];                                                                    \
         for (int r = 0; r < R; r++) {                                                              \
             const PKV_VEC al = PKV_VSET1(alpha[r]);                                                \
@@ -296,7 +297,7 @@ typedef struct {
                                              : PKV_VMUL(PKV_VLOAD(y[r] + i + v * PKV_W), al);      \
                 for (int u = 1; u < JS; u++) acc[u][r][v] = PKV_VZERO();                           \
             }                                                                                      \
-            if (PKV_PV_PAIRED(NV)) { PKV_PV_SPLIT(acc[0][r], NV) }                                 \
+            if (pair_) { PKV_PV_SPLIT(acc[0][r], NV) }                                             \
         }                                                                                          \
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
         for (int ru = 0; ru < nr; ru++) {                                                          \
@@ -304,27 +305,24 @@ typedef struct {
             const int n = runs[ru].n, col = runs[ru].col;                                          \
             PKV_PV_SCALES(NV)                                                                      \
             int j = 0;                                                                             \
-            if (PKV_PV_PAIRED(NV)) {                                                               \
-                PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V2, PKV_PV_P, j, n)                            \
-            } else {                                                                               \
-                PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V, PKV_PV_P, j, n)                             \
-            }                                                                                      \
+            PKV_MK_SWEEP(acc, R, NV, JS, PKV_PV_V, PKV_PV_P, j, n)                                 \
         }                                                                                          \
         PKV_PFS_END(ps)                                                                            \
         PKV_VEC fin[R][NV];                                                                        \
         PKV_MK_REDUCE(acc, R, NV, JS, PKV_PV_FIN)                                                  \
         for (int r = 0; r < R; r++) {                                                              \
-            if (PKV_PV_PAIRED(NV)) { PKV_PV_MERGE(fin[r], NV) }                                    \
+            if (pair_) { PKV_PV_MERGE(fin[r], NV) }                                                \
             for (int v = 0; v < NV; v++) PKV_VSTORE(y[r] + i + v * PKV_W, fin[r][v]);              \
         }                                                                                          \
     }
 /* output vector v of V row k of the run (paired: the even or odd dimensions
  * of the pair v / 2), row r's weight of that key, and a finished vector */
-#define PKV_PV_V(v, k) PKV_PV_LOADV(vr + (size_t)(k) * d + v * PKV_W, v, k)
 #define PKV_PV_P(r, k) p[r][col + k]
 #define PKV_PV_FIN(r, v, nv, t) fin[r][v] = t
 #ifdef PKV_SLOAD_PAIR
-#define PKV_PV_V2(v, k) PKV_SLOAD_PAIR(vr + (size_t)(k) * d + ((v) & ~1) * PKV_W, (v) & 1)
+#define PKV_PV_V(v, k)                                                                  \
+    (pair_ ? PKV_SLOAD_PAIR(vr + (size_t)(k) * d + ((v) & ~1) * PKV_W, (v) & 1)          \
+           : PKV_PV_LOADV(vr + (size_t)(k) * d + v * PKV_W, v, k))
 /* x[0, NV) as consecutive values -> pairs of (even, odd) dimensions, and back */
 #define PKV_PV_SPLIT(x, NV)                                                                       \
     for (int v = 0; v + 1 < NV; v += 2) {                                                         \
@@ -339,7 +337,7 @@ typedef struct {
         (x)[v + 1] = PKV_VIHI(e_, o_);                                                            \
     }
 #else
-#define PKV_PV_V2(v, k) PKV_PV_V(v, k)
+#define PKV_PV_V(v, k) PKV_PV_LOADV(vr + (size_t)(k) * d + v * PKV_W, v, k)
 #define PKV_PV_SPLIT(x, NV)
 #define PKV_PV_MERGE(x, NV)
 #endif
@@ -360,7 +358,6 @@ PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 #undef PKV_PV_V
-#undef PKV_PV_V2
 #undef PKV_PV_P
 #undef PKV_PV_FIN
 #undef PKV_PV_PAIRED
