@@ -577,7 +577,7 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
      * rescale factors of all rows as vector exps, then the weights and sums */
     int st[PKV_MAX_ROWS], cnt[PKV_MAX_ROWS];
     double mnew[PKV_MAX_ROWS];
-    PKV_T ea[PKV_MAX_ROWS + PKV_W]; /* exponents of the rescale factors, then the factors */
+    PKV_T ea[PKV_MAX_ROWS]; /* exponents of the rescale factors, then the factors */
     PKV_T *sa = s;
     for (int a = 0; a < na; a++, sa += ldc) {
         const int i = rows[a];
