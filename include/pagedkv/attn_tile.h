@@ -17,6 +17,13 @@
  * PKV_STORE_SCALED: there): no include guard.
  */
 
+/* Items with many rows per head (prefill tiles, run without the prefetch
+ * stream) take their rows six at a time where the registers allow: 24
+ * accumulators, four operand vectors and a broadcast of the 32 AVX-512 / NEON
+ * registers.  Each loaded key or value vector then serves 6 rows, not 4.
+ * Scores of int8 keys keep 4 rows (their tile holds group sums as well). */
+#define PKV_SIX_ROWS (PKV_SC_NV == 4 && !PKV_STORE_SCALED && !PKV_I8_DOT)
+
 /* One step of a register tile, shared by both micro-kernels: NV vectors
  * x[v] = LOAD(v, k), and for each of the R rows acc[r][v] += BCAST(r, k) *
  * x[v] (a broadcast, then one vertical multiply-add per vector). */
@@ -146,6 +153,7 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 #define PKV_REGISTER_TILES(MK, pfx, NV) \
     MK(pfx##_4xn, 4, NV, 1, 1)          \
     MK(pfx##_4xn_np, 4, NV, 1, 0)       \
+    MK(pfx##_6xn_np, 6, NV, 1, 0)       \
     MK(pfx##_4x1, 4, 1, 2, 1)           \
     MK(pfx##_1xn, 1, NV, 2, 1)          \
     MK(pfx##_1x1, 1, 1, 4, 1)
@@ -189,7 +197,7 @@ static inline void PKV_KFN(put_lanes)(PKV_T *restrict s, const pkv_kvec *e, PKV_
 static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *rows, int na,
                                         const pkv_kvec *e, int ne, size_t stride, int d,
                                         PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
-    PKV_VEC res[4 * PKV_SC_NV];
+    PKV_VEC res[6 * PKV_SC_NV];
     if (na == 1) {
         const PKV_KFN(qrow_t) qr = PKV_KFN(qrow)(q, rows[0], d);
         int v = 0;
@@ -205,25 +213,36 @@ static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *
     }
     /* key vectors outer, row groups inner: the NV key vectors' K^T slices stay in
      * L1 while every group of rows reuses them (see tile_values) */
-    const int ngr = (na + 3) / 4;
+    const int n6 = ps == NULL && PKV_SIX_ROWS ? na / 6 : 0, b4 = 6 * n6;
+    const int ngr = (na - b4 + 3) / 4;
     PKV_KFN(qrow_t) qr[PKV_MAX_ROWS + 4];
-    for (int a = 0; a < ngr * 4; a++) /* a short last group repeats its first row */
-        qr[a] = PKV_KFN(qrow)(q, rows[a < na ? a : a - a % 4], d);
+    for (int a = 0; a < b4; a++) qr[a] = PKV_KFN(qrow)(q, rows[a], d);
+    for (int a = b4; a < b4 + ngr * 4; a++) /* a short last group repeats its first row */
+        qr[a] = PKV_KFN(qrow)(q, rows[a < na ? a : a - (a - b4) % 4], d);
     int v = 0;
-    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV)
+    for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+        for (int g = 0; g < n6; g++) {
+            PKV_KFN(sc_6xn_np)(qr + 6 * g, e + v, stride, d, res, ps);
+            for (int r = 0; r < 6; r++)
+                for (int u = 0; u < PKV_SC_NV; u++)
+                    PKV_KFN(put_lanes)(sbuf + (size_t)(6 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+        }
         for (int g = 0; g < ngr; g++) {
-            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
-            if (ps) PKV_KFN(sc_4xn)(qr + 4 * g, e + v, stride, d, res, ps);
-            else PKV_KFN(sc_4xn_np)(qr + 4 * g, e + v, stride, d, res, ps);
+            const int a0 = b4 + 4 * g, nr = na - a0 < 4 ? na - a0 : 4;
+            if (ps) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
+            else PKV_KFN(sc_4xn_np)(qr + a0, e + v, stride, d, res, ps);
             for (int r = 0; r < nr; r++)
                 for (int u = 0; u < PKV_SC_NV; u++)
-                    PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+                    PKV_KFN(put_lanes)(sbuf + (size_t)(a0 + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
         }
+    }
     for (; v < ne; v++)
-        for (int g = 0; g < ngr; g++) {
-            const int nr = na - 4 * g < 4 ? na - 4 * g : 4;
-            PKV_KFN(sc_4x1)(qr + 4 * g, e + v, stride, d, res, ps);
-            for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(4 * g + r) * ldc, e + v, res[r]);
+        for (int a0 = 0; a0 < na; a0 += 4) {
+            const int nr = na - a0 < 4 ? na - a0 : 4;
+            PKV_KFN(qrow_t) q4[4];
+            for (int r = 0; r < 4; r++) q4[r] = qr[r < nr ? a0 + r : a0];
+            PKV_KFN(sc_4x1)(q4, e + v, stride, d, res, ps);
+            for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(a0 + r) * ldc, e + v, res[r]);
         }
 }
 
@@ -409,14 +428,15 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
     PKV_T *y[PKV_MAX_ROWS + 4];
     const PKV_T *pr[PKV_MAX_ROWS + 4];
     PKV_T al[PKV_MAX_ROWS + 4];
-    for (int a = 0; a < ngr * R; a++) {
+    const int npad = na == 1 ? 1 : na + 3; /* rows and padding of any grouping */
+    for (int a = 0; a < npad; a++) {
         if (a < na) {
             y[a] = acc + (size_t)rows[a] * d;
             pr[a] = p + (size_t)a * ldc;
             al[a] = alpha[a];
         } else { /* padding rows of a short last group: results dropped */
             y[a] = spare;
-            pr[a] = p + (size_t)(a - a % R) * ldc;
+            pr[a] = p;
             al[a] = 0;
         }
     }
@@ -443,7 +463,13 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
             if (ps)
                 for (int g = 0; g < ngr; g++)
                     PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
-            else
+            else if (PKV_SIX_ROWS) {
+                const int n6 = na / 6, b4 = 6 * n6;
+                for (int g = 0; g < n6; g++)
+                    PKV_KFN(pv_6xn_np)(y + 6 * g, al + 6 * g, pw + 6 * g, runs, nr, bs, d, i, ps);
+                for (int a0 = b4; a0 < na; a0 += 4)
+                    PKV_KFN(pv_4xn_np)(y + a0, al + a0, pw + a0, runs, nr, bs, d, i, ps);
+            } else
                 for (int g = 0; g < ngr; g++)
                     PKV_KFN(pv_4xn_np)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
         }
@@ -621,3 +647,4 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
 }
 #undef PKV_PV_FOLD
 #undef PKV_QROWS
+#undef PKV_SIX_ROWS
