@@ -189,6 +189,21 @@ static inline void PKV_KFN(put_lanes)(PKV_T *restrict s, const pkv_kvec *e, PKV_
     }
 }
 
+/* Rows [0, nr) of a register tile's results (res[r * PKV_SC_NV + u]: row r,
+ * key vector e[u]) to s, rows ldc apart; full: every lane of the vectors is
+ * a key of the tile (plain stores). */
+static inline void PKV_KFN(put_tile)(PKV_T *restrict s, int ldc, const pkv_kvec *e,
+                                     const PKV_VEC *res, int nr, int full) {
+    if (full)
+        for (int r = 0; r < nr; r++)
+            for (int u = 0; u < PKV_SC_NV; u++)
+                PKV_VSTORE(s + (size_t)r * ldc + e[u].col, res[r * PKV_SC_NV + u]);
+    else
+        for (int r = 0; r < nr; r++)
+            for (int u = 0; u < PKV_SC_NV; u++)
+                PKV_KFN(put_lanes)(s + (size_t)r * ldc, e + u, res[r * PKV_SC_NV + u]);
+}
+
 /* Scores of rows[0, na) of q (one head: rows d apart, or quantized) against
  * the key vectors e[0, ne) into sbuf [na][ldc].  Rows go four at a time (a last
  * group of two or three repeats its first row and drops the extra results:
@@ -221,19 +236,17 @@ static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *
         qr[a] = PKV_KFN(qrow)(q, rows[a < na ? a : a - (a - b4) % 4], d);
     int v = 0;
     for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
+        int full = 1; /* every lane of the NV vectors is a key of the tile */
+        for (int u = 0; u < PKV_SC_NV; u++) full &= e[v + u].lo == 0 && e[v + u].hi == PKV_W;
         for (int g = 0; g < n6; g++) {
             PKV_KFN(sc_6xn_np)(qr + 6 * g, e + v, stride, d, res, ps);
-            for (int r = 0; r < 6; r++)
-                for (int u = 0; u < PKV_SC_NV; u++)
-                    PKV_KFN(put_lanes)(sbuf + (size_t)(6 * g + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+            PKV_KFN(put_tile)(sbuf + (size_t)(6 * g) * ldc, ldc, e + v, res, 6, full);
         }
         for (int g = 0; g < ngr; g++) {
             const int a0 = b4 + 4 * g, nr = na - a0 < 4 ? na - a0 : 4;
             if (ps) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
             else PKV_KFN(sc_4xn_np)(qr + a0, e + v, stride, d, res, ps);
-            for (int r = 0; r < nr; r++)
-                for (int u = 0; u < PKV_SC_NV; u++)
-                    PKV_KFN(put_lanes)(sbuf + (size_t)(a0 + r) * ldc, e + v + u, res[r * PKV_SC_NV + u]);
+            PKV_KFN(put_tile)(sbuf + (size_t)a0 * ldc, ldc, e + v, res, nr, full);
         }
     }
     for (; v < ne; v++)
