@@ -21,7 +21,9 @@
  * split of ln 2; x is clamped so that 2^k stays a normal number.  f32: a
  * degree-6 minimax polynomial (~1 ulp); f64: Taylor to degree 12 (~1e-16).
  * Every path, the scalar one included, computes this same function. */
+#ifndef PKV_LOG2E
 #define PKV_LOG2E 1.44269504088896340736
+#endif
 #if PKV_T_F64
 #define PKV_EXP_LO (-708.0)
 #define PKV_EXP_HI (709.0)
@@ -167,11 +169,11 @@ static inline PKV_T PKV_FN(sexp2)(PKV_T x) {
     return P * PKV_FN(pow2i)(k);
 }
 
-/* p[j] = exp(s[j] * c - mx) for j < n, in place (c: the softmax scale still
- * to apply, 1 where the scores carry it), as 2^(s[j] * c log2(e) - mx
- * log2(e)); returns the sum in double. */
-static inline double PKV_FN(exp_shift)(PKV_T *restrict s, int n, PKV_T c, PKV_T mx) {
-    const PKV_T c2 = (PKV_T)((double)c * PKV_LOG2E), m2 = (PKV_T)((double)mx * PKV_LOG2E);
+/* p[j] = exp(s[j] * c - mx) for j < n, in place, as 2^(s[j] * c2 - m2) with
+ * c2 = c log2(e) and m2 = mx log2(e) (c: the softmax scale still to apply, 1
+ * where the scores carry it; the caller folds log2(e) in once per tile and
+ * row); returns the sum in double. */
+static inline double PKV_FN(exp2_shift)(PKV_T *restrict s, int n, PKV_T c2, PKV_T m2) {
     int j = 0;
     double sum = 0.0;
     const PKV_VEC vc = PKV_VSET1(c2), vm = PKV_VSET1(-m2);
@@ -368,4 +370,3 @@ static inline double PKV_FN(stream_sum)(const PKV_T *restrict p, size_t n) {
 #undef PKV_EXP_POLY
 #undef PKV_EXP2_LO
 #undef PKV_EXP2_POLY
-#undef PKV_LOG2E

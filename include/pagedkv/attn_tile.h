@@ -605,12 +605,53 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
  * value makes every score of its head NaN) gets NaN weights and sums, so its
  * output is NaN on every path (the exp's clamp alone would turn NaN scores
  * into equal tiny weights). */
+/* The softmax step of a tile whose rows all see its n columns, the scale c > 0
+ * applied inside the exp (no softcap): every tile of a prefill row but those at
+ * its causal or window edge.  The same arithmetic as tile_softmax below without
+ * its per-row bounds; the running maxima (float32 values in m where the compute
+ * type is float32) compared in the compute type.  Returns 0, having changed
+ * nothing, when a row's largest score is NaN (tile_softmax's case). */
+static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *rows, int na, int n,
+                                        PKV_T c, double *m, double *l, PKV_T *restrict alpha) {
+    PKV_T mnew[PKV_MAX_ROWS], ea[PKV_MAX_ROWS];
+    int nan = 0;
+    for (int a = 0; a < na; a++) {
+        const PKV_T mx = PKV_FN(row_max)(s + (size_t)a * ldc, n) * c;
+        const PKV_T mo = (PKV_T)m[rows[a]];
+        nan |= mx != mx;
+        mnew[a] = mo > mx ? mo : mx;
+        ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
+    }
+    if (nan) return 0;
+    const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
+    int a = 0;
+    for (; a + PKV_W <= na; a += PKV_W) PKV_VSTORE(ea + a, PKV_FN(vexp)(PKV_VLOAD(ea + a)));
+    for (; a < na; a++) ea[a] = PKV_FN(sexp)(ea[a]);
+    for (a = 0; a < na; a++) {
+        const double psum = PKV_FN(exp2_shift)(s + (size_t)a * ldc, n, c2, mnew[a] * (PKV_T)PKV_LOG2E);
+        const int i = rows[a];
+        const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : ea[a];
+        l[i] = l[i] * (double)al + psum;
+        m[i] = (double)mnew[a];
+        alpha[a] = al;
+    }
+    return 1;
+}
+
 static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
                                          const int64_t *lim, int64_t r, int n, int64_t window,
                                          PKV_T scale, PKV_T softcap, double *m, double *l,
                                          PKV_T *restrict alpha) {
     const int prescale = softcap > 0 || !(scale > 0);
     const PKV_T c = prescale ? (PKV_T)1 : scale; /* the scale still to apply */
+    if (!prescale) {
+        int full = 1; /* every row sees every column */
+        for (int a = 0; a < na; a++)
+            full &= lim[rows[a]] - r + 1 >= n && pkv_window_lo(lim[rows[a]], window) <= r;
+        if (full && (n == PKV_TILE_KEYS ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_TILE_KEYS, c, m, l, alpha)
+                                        : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha)))
+            return;
+    }
     /* in three passes over the rows, so that no row waits on another's scalar
      * chains: each row's visible columns [st, cnt) and new running max, the
      * rescale factors of all rows as vector exps, then the weights and sums */
@@ -645,12 +686,13 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
     int a = 0;
     for (; a + PKV_W <= na; a += PKV_W) PKV_VSTORE(ea + a, PKV_FN(vexp)(PKV_VLOAD(ea + a)));
     for (; a < na; a++) ea[a] = PKV_FN(sexp)(ea[a]);
+    const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
     sa = s;
     for (a = 0; a < na; a++, sa += ldc) {
         if (cnt[a] < 0) continue;
         const int i = rows[a];
         const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : ea[a]; /* 0: the row's first tile */
-        const double psum = PKV_FN(exp_shift)(sa + st[a], cnt[a] - st[a], c, (PKV_T)mnew[a]);
+        const double psum = PKV_FN(exp2_shift)(sa + st[a], cnt[a] - st[a], c2, (PKV_T)mnew[a] * (PKV_T)PKV_LOG2E);
         for (int j = 0; j < st[a]; j++) sa[j] = 0;  /* before the window */
         for (int j = cnt[a]; j < n; j++) sa[j] = 0; /* causally masked */
         l[i] = l[i] * (double)al + psum;

@@ -382,7 +382,8 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
 typedef double (*exp_shift_fn)(void *, int, double);
 #define EXP_WRAP(tag)                                                                       \
     static double exp_wrap##tag(void *s, int n, double mx) {                                \
-        return exp_shift##tag((PKV_CAT(ctype, tag) *)s, n, 1, (PKV_CAT(ctype, tag))mx);     \
+        return exp2_shift##tag((PKV_CAT(ctype, tag) *)s, n, (PKV_CAT(ctype, tag))PKV_LOG2E, \
+                               (PKV_CAT(ctype, tag))mx * (PKV_CAT(ctype, tag))PKV_LOG2E);   \
     }
 typedef float ctype_f32_scalar;
 typedef double ctype_f64_scalar;
@@ -420,7 +421,7 @@ static exp_shift_fn exp_fn(int simd, int dt) {
 }
 
 /* exp over the softmax's range (x <= 0 after the max shift), vector lanes
- * and tail, against libm.  exp_shift computes 2^(x log2(e)) with x log2(e)
+ * and tail, against libm.  exp2_shift computes 2^(x log2(e)) with x log2(e)
  * rounded to the compute type, so besides a few ulp of the polynomial
  * (f32 4e-7, f64 1e-15 relative) each result carries that argument's
  * rounding (of log2(e) and of the product: up to an ulp of |x| log2(e)),
