@@ -594,20 +594,9 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
     if (ne) PKV_KFN(tile_scores)(qh, rows, na, ents, ne, stride, d, sh, ldc, ps);
 }
 
-/* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
- * (n columns at ranks r, r + 1, ...), query . key not yet multiplied by the
- * softmax scale.  Row i sees ranks (lim[i] - window, lim[i]] (window 0:
- * [0, lim[i]]), at least one of them in this tile (the caller selects the
- * rows); softcap > 0 caps the visible scaled scores first.  A positive scale
- * goes into the exp's argument (the max of the scaled scores is the scale
- * times the max: rounding is monotone); otherwise the scores are scaled in
- * place first.  A row whose largest score is NaN (a NaN or infinite query
- * value makes every score of its head NaN) gets NaN weights and sums, so its
- * output is NaN on every path (the exp's clamp alone would turn NaN scores
- * into equal tiny weights). */
 /* The softmax step of a tile whose rows all see its n columns, the scale c > 0
- * applied inside the exp (no softcap): every tile of a prefill row but those at
- * its causal or window edge.  The same arithmetic as tile_softmax below without
+ * applied inside the exp (no softcap): most tiles (in prefill all but those at
+ * a row's causal or window edge).  The same arithmetic as tile_softmax below without
  * its per-row bounds; the running maxima (float32 values in m where the compute
  * type is float32) compared in the compute type.  Returns 0, having changed
  * nothing, when a row's largest score is NaN (tile_softmax's case). */
@@ -638,6 +627,18 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
     return 1;
 }
 
+/* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
+ * (n columns at ranks r, r + 1, ...), query . key not yet multiplied by the
+ * softmax scale.  Row i sees ranks (lim[i] - window, lim[i]] (window 0:
+ * [0, lim[i]]), at least one of them in this tile (the caller selects the
+ * rows); softcap > 0 caps the visible scaled scores first.  A positive scale
+ * goes into the exp's argument (the max of the scaled scores is the scale
+ * times the max: rounding is monotone); otherwise the scores are scaled in
+ * place first.  A row whose largest score is NaN (a NaN or infinite query
+ * value makes every score of its head NaN) gets NaN weights and sums, so its
+ * output is NaN on every path (the exp's clamp alone would turn NaN scores
+ * into equal tiny weights).  A tile that every row sees whole goes to
+ * softmax_full. */
 static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
                                          const int64_t *lim, int64_t r, int n, int64_t window,
                                          PKV_T scale, PKV_T softcap, double *m, double *l,
