@@ -17,7 +17,8 @@
 
 /* ---- vector helpers ----------------------------------------------------- */
 
-/* exp(x) for the softmax: 2^k * p(r) with k = round(x / ln 2) and a Cody-Waite
+/* exp(x) for the softmax's rescale factors and softcapping (the weights use
+ * vexp2 below): 2^k * p(r) with k = round(x / ln 2) and a Cody-Waite
  * split of ln 2; x is clamped so that 2^k stays a normal number.  f32: a
  * degree-6 minimax polynomial (~1 ulp); f64: Taylor to degree 12 (~1e-16).
  * Every path, the scalar one included, computes this same function. */
