@@ -17,14 +17,15 @@
 
 /* ---- vector helpers ----------------------------------------------------- */
 
+#ifndef PKV_LOG2E
+#define PKV_LOG2E 1.44269504088896340736 /* log2(e) */
+#endif
+
 /* exp(x) for the softmax's rescale factors and softcapping (the weights use
  * vexp2 below): 2^k * p(r) with k = round(x / ln 2) and a Cody-Waite
  * split of ln 2; x is clamped so that 2^k stays a normal number.  f32: a
  * degree-6 minimax polynomial (~1 ulp); f64: Taylor to degree 12 (~1e-16).
  * Every path, the scalar one included, computes this same function. */
-#ifndef PKV_LOG2E
-#define PKV_LOG2E 1.44269504088896340736
-#endif
 #if PKV_T_F64
 #define PKV_EXP_LO (-708.0)
 #define PKV_EXP_HI (709.0)
@@ -94,7 +95,7 @@
 static inline PKV_VEC PKV_FN(vexp)(PKV_VEC x) {
     x = PKV_VMAX(x, PKV_VSET1((PKV_T)PKV_EXP_LO));
     x = PKV_VMIN(x, PKV_VSET1((PKV_T)PKV_EXP_HI));
-    const PKV_VEC k = PKV_VROUND(PKV_VMUL(x, PKV_VSET1((PKV_T)1.44269504088896340736)));
+    const PKV_VEC k = PKV_VROUND(PKV_VMUL(x, PKV_VSET1((PKV_T)PKV_LOG2E)));
     PKV_VEC r = PKV_VFMA(k, PKV_VSET1((PKV_T)-PKV_LN2_HI), x);
     r = PKV_VFMA(k, PKV_VSET1((PKV_T)-PKV_LN2_LO), r);
     PKV_VEC P;
@@ -119,7 +120,7 @@ static inline PKV_T PKV_FN(pow2i)(PKV_T k) {
 /* the same function one lane at a time (vector tails) */
 static inline PKV_T PKV_FN(sexp)(PKV_T x) {
     x = x < (PKV_T)PKV_EXP_LO ? (PKV_T)PKV_EXP_LO : (x > (PKV_T)PKV_EXP_HI ? (PKV_T)PKV_EXP_HI : x);
-    const PKV_T k = (PKV_T)nearbyint((double)(x * (PKV_T)1.44269504088896340736));
+    const PKV_T k = (PKV_T)nearbyint((double)(x * (PKV_T)PKV_LOG2E));
     PKV_T r = x - k * (PKV_T)PKV_LN2_HI;
     r = r - k * (PKV_T)PKV_LN2_LO;
 #if PKV_T_F64
@@ -144,6 +145,13 @@ static inline PKV_T PKV_FN(sexp)(PKV_T x) {
     P = P * (r * r) + (r + 1.0f);
 #endif
     return P * PKV_FN(pow2i)(k);
+}
+
+/* x[j] = exp(x[j]) for j < n, in place (the softmax's rescale factors) */
+static inline void PKV_FN(exp_inplace)(PKV_T *x, int n) {
+    int j = 0;
+    for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(x + j, PKV_FN(vexp)(PKV_VLOAD(x + j)));
+    for (; j < n; j++) x[j] = PKV_FN(sexp)(x[j]);
 }
 
 static inline PKV_VEC PKV_FN(vexp2)(PKV_VEC x) {

@@ -153,15 +153,22 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 #define PKV_REGISTER_TILES(MK, pfx, NV) \
     MK(pfx##_4xn, 4, NV, 1, 1)          \
     MK(pfx##_4xn_np, 4, NV, 1, 0)       \
-    MK(pfx##_6xn_np, 6, NV, 1, 0)       \
     MK(pfx##_4x1, 4, 1, 2, 1)           \
     MK(pfx##_1xn, 1, NV, 2, 1)          \
     MK(pfx##_1x1, 1, 1, 4, 1)
+
+/* the six-row tile of prefill items, built where it is used */
+#if PKV_SIX_ROWS
+#define PKV_SIX_TILE(MK, pfx, NV) MK(pfx##_6xn_np, 6, NV, 1, 0)
+#else
+#define PKV_SIX_TILE(MK, pfx, NV)
+#endif
 
 #if PKV_I8_DOT /* the integer scores of attn_dot.h */
 PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
 #else
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
+PKV_SIX_TILE(PKV_SCORES_MK, sc, PKV_SC_NV)
 #endif
 #undef PKV_SCORES_MK
 #undef PKV_DOT_MK
@@ -238,10 +245,12 @@ static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *
     for (; v + PKV_SC_NV <= ne; v += PKV_SC_NV) {
         int full = 1; /* every lane of the NV vectors is a key of the tile */
         for (int u = 0; u < PKV_SC_NV; u++) full &= e[v + u].lo == 0 && e[v + u].hi == PKV_W;
+#if PKV_SIX_ROWS
         for (int g = 0; g < n6; g++) {
             PKV_KFN(sc_6xn_np)(qr + 6 * g, e + v, stride, d, res, ps);
             PKV_KFN(put_tile)(sbuf + (size_t)(6 * g) * ldc, ldc, e + v, res, 6, full);
         }
+#endif
         for (int g = 0; g < ngr; g++) {
             const int a0 = b4 + 4 * g, nr = na - a0 < 4 ? na - a0 : 4;
             if (ps) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
@@ -387,6 +396,8 @@ typedef struct {
 #endif
 
 PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
+PKV_SIX_TILE(PKV_PV_MK, pv, PKV_PV_NV)
+#undef PKV_SIX_TILE
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
 #undef PKV_PV_V
@@ -476,15 +487,15 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
             if (ps)
                 for (int g = 0; g < ngr; g++)
                     PKV_KFN(pv_4xn)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
-            else if (PKV_SIX_ROWS) {
-                const int n6 = na / 6, b4 = 6 * n6;
-                for (int g = 0; g < n6; g++)
-                    PKV_KFN(pv_6xn_np)(y + 6 * g, al + 6 * g, pw + 6 * g, runs, nr, bs, d, i, ps);
+            else {
+                int b4 = 0; /* rows six at a time, the rest four at a time */
+#if PKV_SIX_ROWS
+                for (; b4 + 6 <= na; b4 += 6)
+                    PKV_KFN(pv_6xn_np)(y + b4, al + b4, pw + b4, runs, nr, bs, d, i, ps);
+#endif
                 for (int a0 = b4; a0 < na; a0 += 4)
                     PKV_KFN(pv_4xn_np)(y + a0, al + a0, pw + a0, runs, nr, bs, d, i, ps);
-            } else
-                for (int g = 0; g < ngr; g++)
-                    PKV_KFN(pv_4xn_np)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
+            }
         }
         for (; i + PKV_W <= d; i += PKV_W) {
             PKV_PV_WEIGHTS(i)
@@ -613,10 +624,8 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
     }
     if (nan) return 0;
     const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
-    int a = 0;
-    for (; a + PKV_W <= na; a += PKV_W) PKV_VSTORE(ea + a, PKV_FN(vexp)(PKV_VLOAD(ea + a)));
-    for (; a < na; a++) ea[a] = PKV_FN(sexp)(ea[a]);
-    for (a = 0; a < na; a++) {
+    PKV_FN(exp_inplace)(ea, na);
+    for (int a = 0; a < na; a++) {
         const double psum = PKV_FN(exp2_shift)(s + (size_t)a * ldc, n, c2, mnew[a] * (PKV_T)PKV_LOG2E);
         const int i = rows[a];
         const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : ea[a];
@@ -684,12 +693,10 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         mnew[a] = m[i] > (double)mx ? m[i] : (double)mx;
         ea[a] = m[i] == -INFINITY ? (PKV_T)0 : (PKV_T)(m[i] - mnew[a]);
     }
-    int a = 0;
-    for (; a + PKV_W <= na; a += PKV_W) PKV_VSTORE(ea + a, PKV_FN(vexp)(PKV_VLOAD(ea + a)));
-    for (; a < na; a++) ea[a] = PKV_FN(sexp)(ea[a]);
+    PKV_FN(exp_inplace)(ea, na);
     const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
     sa = s;
-    for (a = 0; a < na; a++, sa += ldc) {
+    for (int a = 0; a < na; a++, sa += ldc) {
         if (cnt[a] < 0) continue;
         const int i = rows[a];
         const PKV_T al = m[i] == -INFINITY ? (PKV_T)0 : ea[a]; /* 0: the row's first tile */
