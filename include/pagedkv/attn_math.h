@@ -58,37 +58,39 @@
     P = PKV_VFMA(P, PKV_VMUL(r, r), PKV_VADD(r, PKV_VSET1(1.0f)));
 #endif
 
-/* 2^x for the softmax's weights, whose arguments are at most 0 (the scores'
- * logs to base 2 less their maximum's): x is clamped to [PKV_EXP2_LO, 0], k
- * = round(x) and 2^k * p(x - k) (x - k exact) with p a polynomial for 2^f on
- * [-1/2, 1/2].  Base 2 folds log2(e) into the softmax scale and needs no
- * split of ln 2: two fewer instructions than exp's reduction.  f32: degree 6
- * (a weighted least-squares fit of the relative error, ~1e-7 evaluated in
- * float); f64: Taylor to degree 13 (~4e-18). */
+/* 2^x for the softmax's weights, whose arguments are at most 0 up to
+ * rounding (the scores' logs to base 2 less their maximum's; any x below 128
+ * is exact): x is clamped below at PKV_EXP2_LO, then 2^floor(x) * p(x -
+ * floor(x)) with p a polynomial for 2^f on [0, 1).  Base 2 folds log2(e)
+ * into the softmax scale and needs no split of ln 2, and the fraction and
+ * the scaling take x as it is (AVX-512: vreduce and vscalef, one instruction
+ * each, no rounded copy of x).  f32: degree 6 (a weighted least-squares fit
+ * of the relative error, 7.5e-8 evaluated in float); f64: Taylor to degree
+ * 13 about 1/2 (1.6e-16).  p(0) = 1: integral x give 2^x exactly. */
 #if PKV_T_F64
 #define PKV_EXP2_LO (-1022.0)
 #define PKV_EXP2_POLY(f, P, FMA, SET)                                                   \
-    P = FMA(SET((PKV_T)1.3691488853904124e-12), f, SET((PKV_T)2.5678435993488196e-11)); \
-    P = FMA(P, f, SET((PKV_T)4.44553827187081e-10));                                    \
-    P = FMA(P, f, SET((PKV_T)7.054911620801121e-09));                                   \
-    P = FMA(P, f, SET((PKV_T)1.0178086009239696e-07));                                  \
-    P = FMA(P, f, SET((PKV_T)1.3215486790144305e-06));                                  \
-    P = FMA(P, f, SET((PKV_T)1.5252733804059838e-05));                                  \
-    P = FMA(P, f, SET((PKV_T)0.00015403530393381606));                                  \
-    P = FMA(P, f, SET((PKV_T)0.0013333558146428441));                                   \
-    P = FMA(P, f, SET((PKV_T)0.009618129107628477));                                    \
-    P = FMA(P, f, SET((PKV_T)0.055504108664821576));                                    \
-    P = FMA(P, f, SET((PKV_T)0.2402265069591007));                                      \
-    P = FMA(P, f, SET((PKV_T)0.6931471805599453));                                      \
+    P = FMA(SET((PKV_T)1.9362689226271282e-12), f, SET((PKV_T)2.3729044445444126e-11)); \
+    P = FMA(P, f, SET((PKV_T)4.4856254094894154e-10));                                  \
+    P = FMA(P, f, SET((PKV_T)7.0493068729275765e-09));                                  \
+    P = FMA(P, f, SET((PKV_T)1.017865276902509e-07));                                   \
+    P = FMA(P, f, SET((PKV_T)1.3215443942365573e-06));                                  \
+    P = FMA(P, f, SET((PKV_T)1.5252736267248011e-05));                                  \
+    P = FMA(P, f, SET((PKV_T)0.00015403530285111638));                                  \
+    P = FMA(P, f, SET((PKV_T)0.0013333558150051006));                                   \
+    P = FMA(P, f, SET((PKV_T)0.0096181291075376346));                                   \
+    P = FMA(P, f, SET((PKV_T)0.055504108664838139));                                    \
+    P = FMA(P, f, SET((PKV_T)0.24022650695909864));                                     \
+    P = FMA(P, f, SET((PKV_T)0.69314718055994551));                                     \
     P = FMA(P, f, SET((PKV_T)1.0));
 #else
 #define PKV_EXP2_LO (-126.0f)
 #define PKV_EXP2_POLY(f, P, FMA, SET)                                                   \
-    P = FMA(SET(1.53541793e-04f), f, SET(1.33988594e-03f));                             \
-    P = FMA(P, f, SET(9.61843452e-03f));                                                \
-    P = FMA(P, f, SET(5.55033253e-02f));                                                \
-    P = FMA(P, f, SET(2.40226479e-01f));                                                \
-    P = FMA(P, f, SET(6.93147203e-01f));                                                \
+    P = FMA(SET(2.17025736e-04f), f, SET(1.24397280e-03f));                             \
+    P = FMA(P, f, SET(9.67881922e-03f));                                                \
+    P = FMA(P, f, SET(5.54833636e-02f));                                                \
+    P = FMA(P, f, SET(2.40229830e-01f));                                                \
+    P = FMA(P, f, SET(6.93147004e-01f));                                                \
     P = FMA(P, f, SET(1.0f));
 #endif
 
@@ -156,18 +158,16 @@ static inline void PKV_FN(exp_inplace)(PKV_T *x, int n) {
 
 static inline PKV_VEC PKV_FN(vexp2)(PKV_VEC x) {
     x = PKV_VMAX(x, PKV_VSET1((PKV_T)PKV_EXP2_LO));
-    x = PKV_VMIN(x, PKV_VZERO());
-    const PKV_VEC k = PKV_VROUND(x);
-    const PKV_VEC f = PKV_VSUB(x, k);
+    const PKV_VEC f = PKV_VFRAC(x);
     PKV_VEC P;
     PKV_EXP2_POLY(f, P, PKV_VFMA, PKV_VSET1)
-    return PKV_VSCALE2K(P, k);
+    return PKV_VSCALE2FL(P, x);
 }
 
 /* the same function one lane at a time (vector tails) */
 static inline PKV_T PKV_FN(sexp2)(PKV_T x) {
-    x = x < (PKV_T)PKV_EXP2_LO ? (PKV_T)PKV_EXP2_LO : (x > 0 ? (PKV_T)0 : x);
-    const PKV_T k = (PKV_T)nearbyint((double)x);
+    x = x < (PKV_T)PKV_EXP2_LO ? (PKV_T)PKV_EXP2_LO : x;
+    const PKV_T k = (PKV_T)floor((double)x);
     const PKV_T f = x - k;
     PKV_T P;
 #define PKV_SFMA_(a, b, c) ((a) * (b) + (c))

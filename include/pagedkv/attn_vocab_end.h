@@ -20,6 +20,8 @@
 #undef PKV_PV_NV
 #undef PKV_VROUND
 #undef PKV_VSCALE2K
+#undef PKV_VFRAC
+#undef PKV_VSCALE2FL
 #undef PKV_LD_F32
 #undef PKV_LD_BF16
 #undef PKV_LD_F16

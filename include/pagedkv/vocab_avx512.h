@@ -39,6 +39,8 @@
 #define PKV_VHMAX(x) _mm512_reduce_max_pd(x)
 #define PKV_VROUND(x) _mm512_roundscale_pd(x, PKV_RN)
 #define PKV_VSCALE2K(p, k) _mm512_scalef_pd(p, k)
+#define PKV_VFRAC(x) _mm512_reduce_pd(x, PKV_RD)
+#define PKV_VSCALE2FL(p, x) _mm512_scalef_pd(p, x)
 #define PKV_LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
 #define PKV_LD_BF16(p) _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
 #define PKV_LD_F16(p) _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
@@ -65,6 +67,8 @@
 #define PKV_VHMAX(x) _mm512_reduce_max_ps(x)
 #define PKV_VROUND(x) _mm512_roundscale_ps(x, PKV_RN)
 #define PKV_VSCALE2K(p, k) _mm512_scalef_ps(p, k)
+#define PKV_VFRAC(x) _mm512_reduce_ps(x, PKV_RD)
+#define PKV_VSCALE2FL(p, x) _mm512_scalef_ps(p, x)
 /* 16 bfloat16 into the high halves of 16 float32 lanes with one zero-masked
  * word permute (vpermw): 1 shuffle a vector where a zero extension and a
  * shift take 2 (a 4-row x 2-vector FMA tile on bfloat16 in L1, Intel Xeon:

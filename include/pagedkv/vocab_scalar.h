@@ -14,6 +14,8 @@
  *   PKV_VHMAX(x)       horizontal max -> PKV_T
  *   PKV_VROUND(x)      round to nearest integer, ties to even (as PKV_T)
  *   PKV_VSCALE2K(p, k) p * 2^k for integral k in the normal exponent range
+ *   PKV_VFRAC(x)       x - floor(x), in [0, 1) (exact)
+ *   PKV_VSCALE2FL(p, x) p * 2^floor(x), floor(x) in the normal exponent range
  *   PKV_SC_NV, PKV_PV_NV  key / output vectors per register tile (attn_tile.h)
  * and the loads of the storage types (PKV_W stored values at p -> PKV_VEC):
  *   PKV_LD_F32(p)   float    (compute double only)
@@ -47,6 +49,8 @@
 #define PKV_VHMAX(x) (x)
 #define PKV_VROUND(x) ((PKV_T)nearbyint(x))
 #define PKV_VSCALE2K(p, k) ((PKV_T)ldexp((double)(p), (int)(k)))
+#define PKV_VFRAC(x) ((x) - (PKV_T)floor(x))
+#define PKV_VSCALE2FL(p, x) ((PKV_T)ldexp((double)(p), (int)floor(x)))
 #define PKV_LD_F32(p) ((PKV_T) * (p))
 #define PKV_LD_BF16(p) ((PKV_T)pkv_bf16_to_f32(*(p)))
 #define PKV_LD_F16(p) ((PKV_T)pkv_f16_to_f32(*(p)))

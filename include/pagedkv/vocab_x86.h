@@ -18,3 +18,5 @@
 
 /* round to nearest, ties to even, no exceptions (as nearbyint) */
 #define PKV_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* round down, no exceptions (vreduce: x - floor(x)) */
+#define PKV_RD (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)

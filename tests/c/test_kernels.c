@@ -425,8 +425,8 @@ static exp_shift_fn exp_fn(int simd, int dt) {
  * rounded to the compute type, so besides a few ulp of the polynomial
  * (f32 4e-7, f64 1e-15 relative) each result carries that argument's
  * rounding (of log2(e) and of the product: up to an ulp of |x| log2(e)),
- * times ln 2, relative.  Arguments
- * above 0 (rounding at the row's max) give 1.  Also the sum it returns over
+ * times ln 2, relative.  Arguments above 0 (at a row's max, rounding
+ * makes them tiny) are held to the same bound.  Also the sum it returns over
  * x <= 0; below the clamp it stays finite */
 static void check_exp(int simd, int dt) {
     enum { N = 1003 };
@@ -444,15 +444,11 @@ static void check_exp(int simd, int dt) {
     double want_sum = 0;
     for (int i = 0; i < N; i++) {
         const double xi = get(x, i, dt);
-        if (xi > 0) {
-            CHECK(get(y, i, dt) == 1.0, "exp %s %s of %g > 0 gave %.17g, not 1", simd_names[simd],
-                  dt ? "f64" : "f32", xi, get(y, i, dt));
-            continue;
-        }
         const double want = exp(xi);
         const double tol = rtol + fabs(xi) * 2 * eps; /* |x| log2(e) 2 eps ln 2 */
         const double rel = fabs(get(y, i, dt) - want) / want / tol;
         if (!(rel <= worst)) worst = rel;
+        if (xi > 0) continue;
         nneg = i + 1;
         want_sum += want;
     }
