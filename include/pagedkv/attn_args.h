@@ -150,7 +150,7 @@ typedef struct {
 #define PKV_PF_ROWS_MAX 64
 
 typedef struct {
-    int gsz, ng_max, ngc, tq;
+    int gsz, ng_max, ngc, tq, nthreads;
     int64_t ntile, rank0;
 } pkv_prefill_plan;
 

@@ -143,6 +143,45 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     }
 }
 
+/* The (item, row) decomposition of prefill_item, for the prefetch below */
+static inline void PKV_KFN(prefill_where)(const pkv_attn_args *a, const pkv_prefill_plan *pl, int64_t it,
+                                         int *h, int *g0, int *ng, int64_t *t0, int *nt) {
+    const int64_t tile = pl->ntile - 1 - it % pl->ntile;
+    const int gc = (int)((it / pl->ntile) % pl->ngc);
+    *h = (int)(it / (pl->ntile * pl->ngc));
+    *g0 = gc * pl->ng_max;
+    *ng = pl->gsz - *g0 < pl->ng_max ? pl->gsz - *g0 : pl->ng_max;
+    *t0 = tile * pl->tq;
+    *nt = (int)(a->nq - *t0 < pl->tq ? a->nq - *t0 : pl->tq);
+}
+
+/* Ask for the lines this item's output rows go to (for writing) and the query
+ * rows of the item `step` ahead (this thread's next one under an even
+ * dynamic schedule), into L2: both arrays are too large to stay in cache, and
+ * their rows are short runs one token's heads apart, which the hardware
+ * prefetcher does not follow. */
+static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const pkv_prefill_plan *pl, int64_t it,
+                                         int step) {
+    const int gsz = a->hq / a->hkv, d = a->d;
+    const size_t esz = a->qo16 ? 2 : sizeof(PKV_T);
+    for (int pass = 0; pass < 2; pass++) {
+        const int64_t j = it + (pass ? step : 0);
+        if (j >= (int64_t)a->hkv * pl->ngc * pl->ntile) break;
+        int h, g0, ng, nt;
+        int64_t t0;
+        PKV_KFN(prefill_where)(a, pl, j, &h, &g0, &ng, &t0, &nt);
+        const char *base = pass ? (const char *)a->q : (const char *)a->out;
+        const size_t run = (size_t)ng * d * esz;
+        for (int t = 0; t < nt; t++) {
+            const char *p = base + ((size_t)(t0 + t) * a->hq + (size_t)h * gsz + g0) * d * esz;
+            for (size_t x = 0; x < run; x += 64) {
+                if (pass) __builtin_prefetch(p + x, 0, 2);
+                else __builtin_prefetch(p + x, 1, 2);
+            }
+        }
+    }
+}
+
 /* One prefill work item `it` of the plan (see prefill). */
 static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_plan *pl,
                                          int64_t it) {
@@ -158,6 +197,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     const int64_t t0 = tile * tq;
     const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
     const PKV_T *qrows = PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
+    PKV_KFN(prefetch_rows)(a, pl, it, pl->nthreads);
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
@@ -190,7 +230,7 @@ static void PKV_KFN(prefill)(const pkv_attn_args *a) {
         a->plan_out[1] = 1;
         a->plan_out[2] = 1;
     }
-    const pkv_prefill_plan pl = {gsz, ng_max, ngc, tq, ntile, rank0};
+    const pkv_prefill_plan pl = {gsz, ng_max, ngc, tq, nthreads, ntile, rank0};
     int64_t it;
     if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
