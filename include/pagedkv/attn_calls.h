@@ -33,7 +33,7 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
         orows = a->qo16 ? sc.acc : (PKV_T *)a->out + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
     const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                                           lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
-                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, orows);
+                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, 0, orows);
     if (done) {
         if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
     } else if (nchunk == 1) {
@@ -202,7 +202,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
      * before it are never read */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
-                     NULL);
+                     (int)((it / pl->nthreads) & 1), NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

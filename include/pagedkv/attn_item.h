@@ -20,6 +20,9 @@
  * prefetch their next unit too (decode out of memory, where the stream goes
  * into L2).
  *
+ * reverse: take the tiles last to first (items without the prefetch stream;
+ * see prefill_item).
+ *
  * out: where the item's finished rows may go (decode of whole GQA groups, no
  * key split: the output rows, or acc), or NULL.  When the item's keys make
  * one tile that every row sees, each head's softmax sums are final before
@@ -34,7 +37,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                 const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
                                 int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, PKV_T *out) {
+                                char *restrict qdot, int pfk, int reverse, PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
@@ -106,31 +109,28 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         PKV_UNIT_SLICES(0, &pfs);
         pkv_pfs_finish(&pfs);
     }
-    int sgi = 0;
-    int64_t rr = rfirst[0], slot = seg_slot[0] + (rfirst[0] - seg_rank[0]);
-    for (int t = 0; t < ntiles; t++) {
+    /* the slots each segment contributes: [slo, shi) */
+    const int64_t slo[2] = {seg_slot[0] + (rfirst[0] - seg_rank[0]), seg_slot[1] + (rfirst[1] - seg_rank[1])};
+    const int64_t shi[2] = {seg_slot[0] + (rlast[0] - seg_rank[0]), seg_slot[1] + (rlast[1] - seg_rank[1])};
+    if (stream) reverse = 0; /* the stream's units run forward */
+    for (int ti = 0; ti < ntiles; ti++) {
+        const int t = reverse ? ntiles - 1 - ti : ti;
         const int64_t g0 = (int64_t)t * tb;
         const int cnt = nent - g0 < tb ? (int)(nent - g0) : tb;
         int64_t tile_r0 = -1;
         int nk = 0;
-        for (int u = 0; u < cnt; u++) {
-            while (rr >= rlast[sgi]) { /* next segment */
-                sgi++;
-                rr = rfirst[sgi];
-                slot = seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]);
-            }
-            const int64_t bi = slot / bs;
-            const int off = (int)(slot - bi * bs);
-            int n = bs - off;
-            if (n > rlast[sgi] - rr) n = (int)(rlast[sgi] - rr);
-            if (tile_r0 < 0) tile_r0 = rr;
+        for (int u = 0; u < cnt; u++) { /* entry g0 + u: block bi, its slots [lo, hi) */
+            const int64_t e = g0 + u;
+            const int sg = e >= nent0;
+            const int64_t bi = sg ? blo[1] + (e - nent0) : blo[0] + e;
+            const int64_t lo = bi * bs > slo[sg] ? bi * bs : slo[sg];
+            const int64_t hi = bi * bs + bs < shi[sg] ? bi * bs + bs : shi[sg];
+            if (tile_r0 < 0) tile_r0 = seg_rank[sg] + (lo - seg_slot[sg]);
             bidx[u] = bi;
-            runs[u].off = off;
-            runs[u].n = n;
+            runs[u].off = (int)(lo - bi * bs);
+            runs[u].n = (int)(hi - lo);
             runs[u].col = nk;
-            nk += n;
-            rr += n;
-            slot += n;
+            nk += runs[u].n;
         }
         int na = 0;
         for (int i = 0; i < nqh; i++)
@@ -138,8 +138,9 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         if (na < nqh) out = NULL; /* a row this tile does not reach: acc it is */
         if (na == 0) continue;
 #if PKV_STORE_SCALED
-        if (g0 + cnt < nent) { /* the next tile's scales (the streams fetch the values) */
-            for (int64_t e = g0 + cnt, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
+        const int tn = reverse ? t - 1 : t + 1;
+        if (tn >= 0 && tn < ntiles) { /* the next tile's scales (the streams fetch the values) */
+            for (int64_t e = (int64_t)tn * tb, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
                 const int64_t ti = e < nent0 ? blo[0] + e : blo[1] + (e - nent0);
                 const size_t o = (size_t)table[ti] * bstride;
                 for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
