@@ -143,7 +143,10 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     }
 }
 
-/* The (item, row) decomposition of prefill_item, for the prefetch below */
+/* Prefill item `it`: kv head h, group members g0 + [0, ng), query tokens t0
+ * + [0, nt).  Head-major, each head's latest tiles (most keys) first: an item
+ * reads much of the K/V its predecessor read (from L2), and the last items are
+ * the smallest (balance). */
 static inline void PKV_KFN(prefill_where)(const pkv_attn_args *a, const pkv_prefill_plan *pl, int64_t it,
                                          int *h, int *g0, int *ng, int64_t *t0, int *nt) {
     const int64_t tile = pl->ntile - 1 - it % pl->ntile;
@@ -185,21 +188,15 @@ static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const pkv_pref
 /* One prefill work item `it` of the plan (see prefill). */
 static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_plan *pl,
                                          int64_t it) {
-    const int gsz = pl->gsz, ng_max = pl->ng_max, ngc = pl->ngc, tq = pl->tq;
     PKV_FN(scratch_t) sc = PKV_FN(scratch)(a, pkv_thread_id());
-    /* head-major, each head's latest tiles (most keys) first: an item reads
-     * much of the K/V its predecessor read (from L2), and the last items are
-     * the smallest (balance) */
-    const int64_t tile = pl->ntile - 1 - it % pl->ntile;
-    const int gc = (int)((it / pl->ntile) % ngc);
-    const int h = (int)(it / (pl->ntile * ngc));
-    const int g0 = gc * ng_max, ng = gsz - g0 < ng_max ? gsz - g0 : ng_max;
-    const int64_t t0 = tile * tq;
-    const int nt = (int)(a->nq - t0 < tq ? a->nq - t0 : tq);
+    int h, g0, ng, nt;
+    int64_t t0;
+    PKV_KFN(prefill_where)(a, pl, it, &h, &g0, &ng, &t0, &nt);
     const PKV_T *qrows = PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
     PKV_KFN(prefetch_rows)(a, pl, it, pl->nthreads);
     /* from the first rank the tile's first query sees: with a window, the blocks
-     * before it are never read */
+     * before it are never read; every other item on this thread walks its
+     * tiles last to first, starting on the K/V its predecessor read last */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
                      (int)((it / pl->nthreads) & 1), NULL);
