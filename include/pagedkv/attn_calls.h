@@ -158,29 +158,19 @@ static inline void PKV_KFN(prefill_where)(const pkv_attn_args *a, const pkv_pref
     *nt = (int)(a->nq - *t0 < pl->tq ? a->nq - *t0 : pl->tq);
 }
 
-/* Ask for the lines this item's output rows go to (for writing) and the query
- * rows of the item `step` ahead (this thread's next one under an even
- * dynamic schedule), into L2: both arrays are too large to stay in cache, and
- * their rows are short runs one token's heads apart, which the hardware
- * prefetcher does not follow. */
-static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const pkv_prefill_plan *pl, int64_t it,
-                                         int step) {
+/* Ask for the lines of rows (kv head h, members g0 + [0, ng), tokens t0 + [0,
+ * nt)) of the query or output array at base, into L2, for writing or reading:
+ * both arrays are too large to stay in cache, and an item's rows are short
+ * runs one token's heads apart, which the hardware prefetcher does not follow. */
+static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const char *base, size_t esz, int h,
+                                          int g0, int ng, int64_t t0, int nt, int write) {
     const int gsz = a->hq / a->hkv, d = a->d;
-    const size_t esz = a->qo16 ? 2 : sizeof(PKV_T);
-    for (int pass = 0; pass < 2; pass++) {
-        const int64_t j = it + (pass ? step : 0);
-        if (j >= (int64_t)a->hkv * pl->ngc * pl->ntile) break;
-        int h, g0, ng, nt;
-        int64_t t0;
-        PKV_KFN(prefill_where)(a, pl, j, &h, &g0, &ng, &t0, &nt);
-        const char *base = pass ? (const char *)a->q : (const char *)a->out;
-        const size_t run = (size_t)ng * d * esz;
-        for (int t = 0; t < nt; t++) {
-            const char *p = base + ((size_t)(t0 + t) * a->hq + (size_t)h * gsz + g0) * d * esz;
-            for (size_t x = 0; x < run; x += 64) {
-                if (pass) __builtin_prefetch(p + x, 0, 2);
-                else __builtin_prefetch(p + x, 1, 2);
-            }
+    const size_t run = (size_t)ng * d * esz;
+    for (int t = 0; t < nt; t++) {
+        const char *p = base + ((size_t)(t0 + t) * a->hq + (size_t)h * gsz + g0) * d * esz;
+        for (size_t x = 0; x < run; x += 64) {
+            if (write) __builtin_prefetch(p + x, 1, 2);
+            else __builtin_prefetch(p + x, 0, 2);
         }
     }
 }
@@ -193,7 +183,16 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     int64_t t0;
     PKV_KFN(prefill_where)(a, pl, it, &h, &g0, &ng, &t0, &nt);
     const PKV_T *qrows = PKV_FN(load_queries)(a, h, 1, t0, nt, g0, ng, pl->rank0 + t0, sc.qbuf, sc.lim);
-    PKV_KFN(prefetch_rows)(a, pl, it, pl->nthreads);
+    /* the lines this item's output rows go to, and the query rows of this
+     * thread's next item (under an even dynamic schedule) */
+    const size_t esz = a->qo16 ? 2 : sizeof(PKV_T);
+    PKV_KFN(prefetch_rows)(a, (const char *)a->out, esz, h, g0, ng, t0, nt, 1);
+    if (it + pl->nthreads < (int64_t)a->hkv * pl->ngc * pl->ntile) {
+        int hn, g0n, ngn, ntn;
+        int64_t t0n;
+        PKV_KFN(prefill_where)(a, pl, it + pl->nthreads, &hn, &g0n, &ngn, &t0n, &ntn);
+        PKV_KFN(prefetch_rows)(a, (const char *)a->q, esz, hn, g0n, ngn, t0n, ntn, 0);
+    }
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read; every other item on this thread walks its
      * tiles last to first, starting on the K/V its predecessor read last */

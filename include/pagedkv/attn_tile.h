@@ -658,6 +658,7 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         int full = 1; /* every row sees every column */
         for (int a = 0; a < na; a++)
             full &= lim[rows[a]] - r + 1 >= n && pkv_window_lo(lim[rows[a]], window) <= r;
+        /* a whole tile calls it with a constant n (fixed trip counts once inlined) */
         if (full && (n == PKV_TILE_KEYS ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_TILE_KEYS, c, m, l, alpha)
                                         : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha)))
             return;
