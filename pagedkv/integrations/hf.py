@@ -78,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("pagedkv.integrations.hf needs transformers and torch: "
                       "pip install 'pagedkv[hf]'") from e
 
+from pagedkv._core import simd_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.integrations.attention import (ATTENTION_NAME, LINK, pagedkv_attention,  # noqa: F401
                                             register)
@@ -99,7 +100,7 @@ __all__ = ["ATTENTION_NAME", "ContinuousBatcher", "PagedCache", "PagedLayer", "R
 def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional[str] = None,
                 streaming: Optional[StreamingLLM] = None, max_seqs: int = 256,
                 kv_cache_bytes: Optional[int] = None,
-                prompt_attention: str = "torch") -> "PagedCache":
+                prompt_attention: str = "auto") -> "PagedCache":
     """A ``transformers.Cache`` backed by pagedkv, for ``past_key_values=``.
 
     Also registers the "pagedkv" attention and switches ``model`` to it (the model then uses
@@ -125,12 +126,14 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         kv_cache_bytes: a memory budget instead of ``num_blocks``: as many blocks as fit,
             split across the groups by their layers (every group gets the same number of
             blocks; ``cache.paged.num_blocks`` / ``cache.groups`` tell how many).
-        prompt_attention: how a prompt with nothing cached before it attends. "torch"
-            (default): over its own K/V with transformers' sdpa attention, as DynamicCache
-            runs it, while its K/V are written into the pages; "pagedkv": pagedkv's causal
-            prefill kernel over the pages.  Every later step (decode, a second turn, chunks)
-            runs pagedkv's kernels.  Under StreamingLLM, and for layers with logit
-            softcapping or learned sinks, prompts always run the kernels.
+        prompt_attention: how a prompt with nothing cached before it attends. "torch":
+            over its own K/V with transformers' sdpa attention, as DynamicCache runs it,
+            while its K/V are written into the pages; "pagedkv": pagedkv's causal prefill
+            kernel over the pages; "auto" (default): "pagedkv" for float32 and float64
+            models on the AVX-512 paths, where the prefill kernel measured faster than
+            torch's (``prompt_kernel_default``), else "torch".  Every later step (decode, a
+            second turn, chunks) runs pagedkv's kernels.  Under StreamingLLM, and for layers
+            with logit softcapping or learned sinks, prompts always run the kernels.
 
     Returns:
         a ``PagedCache``; ``cache.paged`` is the ``PagedKVCache`` (one group),
@@ -139,8 +142,9 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     Raises:
         NotImplementedError: the model has layers pagedkv cannot run (the message names them).
     """
-    if prompt_attention not in ("torch", "pagedkv"):
-        raise ValueError(f"prompt_attention must be 'torch' or 'pagedkv', got {prompt_attention!r}")
+    if prompt_attention not in ("auto", "torch", "pagedkv"):
+        raise ValueError(f"prompt_attention must be 'auto', 'torch' or 'pagedkv', "
+                         f"got {prompt_attention!r}")
     config = model.config.get_text_config(decoder=True)
     geometry = model_geometry(model)  # CPU, dtype and encoder-decoder checks
     dtype, num_kv_heads, head_dim = (geometry["dtype"], geometry["num_kv_heads"],
@@ -182,9 +186,21 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
     cache = PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
+    if prompt_attention == "auto":
+        prompt_attention = "pagedkv" if prompt_kernel_default(dtype) else "torch"
     for rows in cache.group_rows.values():
         rows.torch_prompts = prompt_attention == "torch"
     return cache
+
+
+def prompt_kernel_default(dtype: str) -> bool:
+    """Whether ``prompt_attention="auto"`` runs a fresh prompt through pagedkv's prefill kernel
+    (else torch's sdpa over the prompt's own K/V): for float32 and float64 models on the
+    AVX-512 paths.  There the kernel measured faster than torch's sdpa (causal prefill f32,
+    Hq=32 Hkv=8: 1.1-1.3x on an Intel Xeon at 2,048-4,096 tokens, about 1.0x at 8,192-16,384
+    on one thread; 2.2x on an AMD Zen 5 at 2,048); on AVX2 (AMD Zen 3) it ran 0.89-0.92x at
+    4,096, and 16-bit models and NEON were not compared (docs/performance.md)."""
+    return dtype in ("float32", "float64") and simd_backend() in ("avx512", "avx512vnni")
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,
@@ -216,7 +232,7 @@ class _Rows:
         self.paged = paged
         self.window = window  # sliding window of the group's layers (None: full attention)
         self.name = name
-        self.torch_prompts = True  # paged_cache's prompt_attention="torch"
+        self.torch_prompts = True  # paged_cache's prompt_attention (False: "pagedkv")
         self.sids: Optional[List[int]] = None
         self.sid_array: Optional[np.ndarray] = None
         self.skipped: List[List[int]] = []

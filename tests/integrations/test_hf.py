@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.integrations import hf  # noqa: E402
 from pagedkv.integrations.hf import PagedCache, paged_cache  # noqa: E402
 
 LOGIT_RTOL = 1e-5
@@ -62,7 +63,7 @@ def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
     ids = prompt_ids(16, 2, 40)
     with torch.no_grad():
         want = ref(ids, past_key_values=DynamicCache(config=ref.config)).logits
-        cache = paged_cache(ours, num_blocks=32, block_size=8)
+        cache = paged_cache(ours, num_blocks=32, block_size=8, prompt_attention="torch")
         got = ours(ids, past_key_values=cache).logits
         assert torch.equal(got, want)
         assert [cache.paged.seq_len(s) for s in cache.sequence_ids] == [40, 40]
@@ -72,6 +73,24 @@ def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
     assert (kernel - want).abs().max().item() <= LOGIT_RTOL * want.abs().max().item()
     with pytest.raises(ValueError, match="prompt_attention"):
         paged_cache(ours, num_blocks=8, prompt_attention="sdpa")
+
+
+@pytest.mark.parametrize("backend, kernel", [("avx512vnni", True), ("avx512", True),
+                                             ("avx2", False), ("avxvnni", False),
+                                             ("neon", False), ("scalar", False)])
+def test_auto_prompt_attention_picks_the_kernel_on_avx512(models, monkeypatch, backend, kernel):
+    """prompt_attention="auto" (the default): the prefill kernel for a float32 model on the
+    AVX-512 paths, torch's sdpa elsewhere; float16 / bfloat16 models always torch's."""
+    ours, _ = models
+    monkeypatch.setattr(hf, "simd_backend", lambda: backend)
+    cache = paged_cache(ours, num_blocks=8)
+    assert [rows.torch_prompts for rows in cache.group_rows.values()] == [not kernel]
+    assert hf.prompt_kernel_default("float32") is kernel
+    assert hf.prompt_kernel_default("float64") is kernel
+    assert hf.prompt_kernel_default("bfloat16") is False
+    assert hf.prompt_kernel_default("float16") is False
+    forced = paged_cache(ours, num_blocks=8, prompt_attention="torch")
+    assert [rows.torch_prompts for rows in forced.group_rows.values()] == [True]
 
 
 @pytest.mark.parametrize("prompt_attention", ["torch", "pagedkv"])
