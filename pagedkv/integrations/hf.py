@@ -130,7 +130,7 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
             over its own K/V with transformers' sdpa attention, as DynamicCache runs it,
             while its K/V are written into the pages; "pagedkv": pagedkv's causal prefill
             kernel over the pages; "auto" (default): "pagedkv" for float32 and float64
-            models on the AVX-512 paths, where the prefill kernel measured faster than
+            models stored in their own dtype on the AVX-512 paths, where the prefill kernel measured faster than
             torch's (``prompt_kernel_default``), else "torch".  Every later step (decode, a
             second turn, chunks) runs pagedkv's kernels.  Under StreamingLLM, and for layers
             with logit softcapping or learned sinks, prompts always run the kernels.
@@ -187,20 +187,23 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         model.set_attn_implementation(ATTENTION_NAME)
     cache = PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
     if prompt_attention == "auto":
-        prompt_attention = "pagedkv" if prompt_kernel_default(dtype) else "torch"
+        prompt_attention = "pagedkv" if prompt_kernel_default(dtype, kv_dtype) else "torch"
     for rows in cache.group_rows.values():
         rows.torch_prompts = prompt_attention == "torch"
     return cache
 
 
-def prompt_kernel_default(dtype: str) -> bool:
+def prompt_kernel_default(dtype: str, kv_dtype: Optional[str] = None) -> bool:
     """Whether ``prompt_attention="auto"`` runs a fresh prompt through pagedkv's prefill kernel
-    (else torch's sdpa over the prompt's own K/V): for float32 and float64 models on the
-    AVX-512 paths.  There the kernel measured faster than torch's sdpa (causal prefill f32,
-    Hq=32 Hkv=8: 1.1-1.3x on an Intel Xeon at 2,048-4,096 tokens, about 1.0x at 8,192-16,384
-    on one thread; 2.2x on an AMD Zen 5 at 2,048); on AVX2 (AMD Zen 3) it ran 0.89-0.92x at
-    4,096, and 16-bit models and NEON were not compared (docs/performance.md)."""
-    return dtype in ("float32", "float64") and simd_backend() in ("avx512", "avx512vnni")
+    (else torch's sdpa over the prompt's own K/V): for float32 and float64 models stored in
+    their own dtype, on the AVX-512 paths.  There the kernel measured faster than torch's sdpa
+    (causal prefill f32, Hq=32 Hkv=8: 1.1-1.3x on an Intel Xeon at 2,048-4,096 tokens, about
+    1.0x at 8,192-16,384 on one thread; 2.2x on an AMD Zen 5 at 2,048); on AVX2 (AMD Zen 3) it
+    ran 0.89-0.92x at 4,096; narrower storage converts every K/V value it reads (bfloat16
+    storage: prefill about 1.35x the float32 time), and 16-bit models and NEON were not
+    compared (docs/performance.md)."""
+    return (dtype in ("float32", "float64") and kv_dtype in (None, dtype)
+            and simd_backend() in ("avx512", "avx512vnni"))
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,

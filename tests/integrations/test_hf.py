@@ -79,8 +79,9 @@ def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
                                              ("avx2", False), ("avxvnni", False),
                                              ("neon", False), ("scalar", False)])
 def test_auto_prompt_attention_picks_the_kernel_on_avx512(models, monkeypatch, backend, kernel):
-    """prompt_attention="auto" (the default): the prefill kernel for a float32 model on the
-    AVX-512 paths, torch's sdpa elsewhere; float16 / bfloat16 models always torch's."""
+    """prompt_attention="auto" (the default): the prefill kernel for a float32 model stored in
+    float32 on the AVX-512 paths, torch's sdpa elsewhere, for narrower storage and for float16 /
+    bfloat16 models."""
     ours, _ = models
     monkeypatch.setattr(hf, "simd_backend", lambda: backend)
     cache = paged_cache(ours, num_blocks=8)
@@ -89,6 +90,11 @@ def test_auto_prompt_attention_picks_the_kernel_on_avx512(models, monkeypatch, b
     assert hf.prompt_kernel_default("float64") is kernel
     assert hf.prompt_kernel_default("bfloat16") is False
     assert hf.prompt_kernel_default("float16") is False
+    assert hf.prompt_kernel_default("float32", "float32") is kernel
+    for kv in ("bfloat16", "float16", "int8"):  # narrower storage: torch's over the prompt's own K/V
+        assert hf.prompt_kernel_default("float32", kv) is False
+    bf16 = paged_cache(ours, num_blocks=8, kv_dtype="bfloat16")
+    assert [rows.torch_prompts for rows in bf16.group_rows.values()] == [True]
     forced = paged_cache(ours, num_blocks=8, prompt_attention="torch")
     assert [rows.torch_prompts for rows in forced.group_rows.values()] == [True]
 
