@@ -24,6 +24,19 @@
  *   dpwssd_512   vpdpwssd (AVX512_VNNI): 32 (int16 pairs)
  *   dpbf16_512   vdpbf16ps (AVX512_BF16): 32 (bfloat16 pairs into float32)
  *
+ * and the float32 tile over storage widened as the kernels widen it on load
+ * (16 multiply-adds per FMA; one widening per loaded vector, shared by the 4
+ * rows, as in decode's tile over a GQA group of 4 query heads):
+ *
+ *   bf16_fma_512      16 bfloat16 by a zero-masked word permute (vpermw)
+ *   bf16pair_fma_512  32 bfloat16 from one 64-byte load, the even ones by a
+ *                     shift, the odd ones by a mask (P.V's pairs)
+ *   f16_fma_512       16 float16 by vcvtph2ps
+ *   i8_fma_512        16 int8 by vpmovsxbd + vcvtdq2ps
+ *
+ * Their buffers hold small integers, so each loop's sum (printed) is exact
+ * for the test's iteration counts.
+ *
  * Rates are G multiply-adds per second on one thread (best of the rounds).
  * The int32 accumulators wrap; the checksum each integer loop prints (the
  * sum of its final lanes, mod 2^32) is what tests/kernels/test_dot_peak.py
@@ -52,6 +65,10 @@ static double now(void) {
 
 static int32_t buf[NBUF * 16] __attribute__((aligned(64)));
 static float fbuf[NBUF * 16] __attribute__((aligned(64))); /* normal floats: no assists */
+/* storage for the widening loops: small integers (exact float sums) */
+static uint16_t bf16buf[NBUF * 32] __attribute__((aligned(64)));
+static uint16_t f16buf[NBUF * 16] __attribute__((aligned(64)));
+static int8_t i8buf[NBUF * 16] __attribute__((aligned(64)));
 
 /* the row operands: four broadcast 32-bit patterns */
 static const uint32_t ROWS[4] = {0x00030002u, 0x7f81f009u, 0x10203040u, 0xf0e0d0c9u};
@@ -210,6 +227,61 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) static float dpbf16_512(
     return _mm512_reduce_add_ps(s);
 }
 
+/* the widening tile: x0, x1 = WIDEN(i) (two float32 vectors of entry i's
+ * storage), 4 rows x 2 vectors of FMAs into 8 accumulators; the sum of every
+ * lane in double (exact: each lane is an integer below 2^24 for the test's
+ * iteration counts) */
+#define WIDEN_TILE512(name, tgt, WIDEN)                                                   \
+    __attribute__((target(tgt), noinline)) static double name(long n) {                 \
+        __m512 c[8];                                                                    \
+        for (int k = 0; k < 8; k++) c[k] = _mm512_setzero_ps();                         \
+        const __m512 b[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(2.0f),               \
+                             _mm512_set1_ps(3.0f), _mm512_set1_ps(4.0f)};               \
+        for (long i = 0; i < n; i++) {                                                  \
+            __m512 x0, x1;                                                              \
+            WIDEN(i)                                                                    \
+            for (int r = 0; r < 4; r++) {                                               \
+                c[2 * r] = _mm512_fmadd_ps(x0, b[r], c[2 * r]);                         \
+                c[2 * r + 1] = _mm512_fmadd_ps(x1, b[r], c[2 * r + 1]);                 \
+            }                                                                           \
+        }                                                                               \
+        double t = 0;                                                                   \
+        for (int k = 0; k < 8; k++) {                                                   \
+            float l[16];                                                                \
+            _mm512_storeu_ps(l, c[k]);                                                  \
+            for (int j = 0; j < 16; j++) t += l[j];                                     \
+        }                                                                               \
+        return t;                                                                       \
+    }
+/* entries i and i + 1 (mod NBUF) of 16 values each, or entry i of 32 (pair) */
+#define BF16_AT(e) _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(                          \
+    (__mmask32)0xAAAAAAAAu,                                                                     \
+    _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, \
+                     5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),                                          \
+    _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(bf16buf + ((e) & (NBUF - 1)) * 16)))))
+#define WIDEN_BF16(i) x0 = BF16_AT(i); x1 = BF16_AT((i) + 1);
+#define WIDEN_BF16PAIR(i)                                                                    \
+    {                                                                                        \
+        const __m512i w_ = _mm512_load_si512((const __m512i *)(bf16buf + ((i) & (NBUF - 1)) * 32)); \
+        x0 = _mm512_castsi512_ps(_mm512_slli_epi32(w_, 16));                                 \
+        x1 = _mm512_castsi512_ps(_mm512_and_si512(w_, _mm512_set1_epi32((int)0xFFFF0000u))); \
+    }
+#define F16_AT(e) _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(f16buf + ((e) & (NBUF - 1)) * 16)))
+#define WIDEN_F16(i) x0 = F16_AT(i); x1 = F16_AT((i) + 1);
+#define I8_AT(e) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(i8buf + ((e) & (NBUF - 1)) * 16))))
+#define WIDEN_I8(i) x0 = I8_AT(i); x1 = I8_AT((i) + 1);
+WIDEN_TILE512(bf16_fma_512, "avx512f,avx512bw", WIDEN_BF16)
+WIDEN_TILE512(bf16pair_fma_512, "avx512f", WIDEN_BF16PAIR)
+WIDEN_TILE512(f16_fma_512, "avx512f", WIDEN_F16)
+WIDEN_TILE512(i8_fma_512, "avx512f", WIDEN_I8)
+
+/* float16 bits of a small positive integer v (exact) */
+static uint16_t f16_bits(int v) {
+    int e = 0;
+    while ((v >> (e + 1)) != 0) e++;
+    return (uint16_t)((15 + e) << 10 | ((v - (1 << e)) << (10 - e)));
+}
+
 int main(int argc, char **argv) {
     const long n = argc > 1 ? atol(argv[1]) : 100000000L;
     const int rounds = argc > 2 ? atoi(argv[2]) : 5;
@@ -286,6 +358,32 @@ int main(int argc, char **argv) {
         printf("dpwssd_512  %7.1f  %.2fx  checksum %u\n", b5[2] / 1e9, b5[2] / best[0], sw);
     }
     if (bf16) printf("dpbf16_512  %7.1f  %.2fx  (sum %g)\n", b5[3] / 1e9, b5[3] / best[0], (double)fb);
+    /* the widening loops: value k of each buffer is 1 + k % 7 (bfloat16 / float16 bits) */
+    for (int k = 0; k < NBUF * 32; k++) {
+        const float v = (float)(1 + k % 7);
+        uint32_t u;
+        __builtin_memcpy(&u, &v, 4);
+        bf16buf[k] = (uint16_t)(u >> 16); /* exact: small integers */
+        if (k < NBUF * 16) {
+            f16buf[k] = f16_bits(1 + k % 7);
+            i8buf[k] = (int8_t)(1 + k % 7);
+        }
+    }
+    static const char *wname[4] = {"bf16_fma_512", "bf16pair_fma_512", "f16_fma_512", "i8_fma_512"};
+    double (*const wfn[4])(long) = {bf16_fma_512, bf16pair_fma_512, f16_fma_512, i8_fma_512};
+    const int wok[4] = {__builtin_cpu_supports("avx512bw"), 1, 1, 1};
+    double wb[4] = {0, 0, 0, 0}, ws[4] = {0, 0, 0, 0};
+    for (int r = 0; r < rounds; r++)
+        for (int w = 0; w < 4; w++) {
+            if (!wok[w]) continue;
+            const double t = now();
+            ws[w] = wfn[w](n);
+            const double dt = now() - t;
+            if (128.0 * n / dt > wb[w]) wb[w] = 128.0 * n / dt;
+        }
+    for (int w = 0; w < 4; w++)
+        if (wok[w]) printf("%-16s %7.1f  %.2fx of fma_f32_512  sum %.0f\n", wname[w], wb[w] / 1e9,
+                           wb[w] / b5[0], ws[w]);
     return 0;
 }
 #else

@@ -76,6 +76,18 @@ def _expected_512(n):
     return tb % 2**32, tw % 2**32
 
 
+def _expected_widened(n):
+    """Sums of the widening loops after n iterations: value k of each buffer is 1 + k % 7, rows
+    1, 2, 3 and 4; iteration i reads entries i and i + 1 (mod NBUF) of 16 values, or (the
+    bfloat16 pairs) entry i of 32."""
+    def entry(e, width):
+        e %= NBUF
+        return sum(1 + k % 7 for k in range(e * width, (e + 1) * width))
+    two = sum(entry(i, 16) + entry(i + 1, 16) for i in range(n)) * 10
+    pair = sum(entry(i, 32) for i in range(n)) * 10
+    return {"bf16_fma_512": two, "bf16pair_fma_512": pair, "f16_fma_512": two, "i8_fma_512": two}
+
+
 def _build(tmp_path, opt):
     """The probe built into tmp_path at optimisation level `opt`."""
     exe = tmp_path / "dot_peak"
@@ -106,6 +118,13 @@ def test_dot_peak_probe_computes_what_it_claims(tmp_path):
         assert int(sums["dpbusd_512"]) == eb
         assert int(sums["dpwssd_512"]) == ew
         assert float(rates["dpbusd_512"]) > 0 and float(rates["dpwssd_512"]) > 0
+    widened = {k: float(v) for k, v in re.findall(r"^(\w+_fma_512)\s.*sum (\d+)$", proc.stdout, re.M)}
+    if "fma_f32_512" in rates:  # AVX-512: the float32 tile over widened storage
+        assert set(widened) >= {"bf16pair_fma_512", "f16_fma_512", "i8_fma_512"}, proc.stdout
+        want = _expected_widened(n)
+        for name, got in widened.items():
+            assert got == want[name], (name, got, want[name])
+            assert float(rates[name]) > 0
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
