@@ -71,13 +71,15 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     const int64_t seg_slot[2] = {sg.a0, sg.b0};
     const int64_t seg_rank[2] = {0, n0};
     const int64_t seg_end[2] = {n0, n0 + sg.b1 - sg.b0};
-    int64_t rfirst[2], rlast[2], blo[2], bhi[2];
+    /* the slots each segment contributes, [slo, shi), and their blocks [blo, bhi) */
+    int64_t slo[2], shi[2], blo[2], bhi[2];
     for (int sgi = 0; sgi < 2; sgi++) {
-        rfirst[sgi] = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
-        rlast[sgi] = seg_end[sgi] < rend ? seg_end[sgi] : rend;
-        if (rlast[sgi] < rfirst[sgi]) rlast[sgi] = rfirst[sgi];
-        pkv_blocks_of(seg_slot[sgi] + (rfirst[sgi] - seg_rank[sgi]),
-                      seg_slot[sgi] + (rlast[sgi] - seg_rank[sgi]), bs, &blo[sgi], &bhi[sgi]);
+        const int64_t rfirst = seg_rank[sgi] > rbeg ? seg_rank[sgi] : rbeg;
+        int64_t rlast = seg_end[sgi] < rend ? seg_end[sgi] : rend;
+        if (rlast < rfirst) rlast = rfirst;
+        slo[sgi] = seg_slot[sgi] + (rfirst - seg_rank[sgi]);
+        shi[sgi] = seg_slot[sgi] + (rlast - seg_rank[sgi]);
+        pkv_blocks_of(slo[sgi], shi[sgi], bs, &blo[sgi], &bhi[sgi]);
     }
     const int64_t nent = (bhi[0] - blo[0]) + (bhi[1] - blo[1]);
     const int64_t nent0 = bhi[0] - blo[0];
@@ -109,9 +111,6 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         PKV_UNIT_SLICES(0, &pfs);
         pkv_pfs_finish(&pfs);
     }
-    /* the slots each segment contributes: [slo, shi) */
-    const int64_t slo[2] = {seg_slot[0] + (rfirst[0] - seg_rank[0]), seg_slot[1] + (rfirst[1] - seg_rank[1])};
-    const int64_t shi[2] = {seg_slot[0] + (rlast[0] - seg_rank[0]), seg_slot[1] + (rlast[1] - seg_rank[1])};
     if (stream) reverse = 0; /* the stream's units run forward */
     for (int ti = 0; ti < ntiles; ti++) {
         const int t = reverse ? ntiles - 1 - ti : ti;

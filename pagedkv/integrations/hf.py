@@ -130,8 +130,8 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
             over its own K/V with transformers' sdpa attention, as DynamicCache runs it,
             while its K/V are written into the pages; "pagedkv": pagedkv's causal prefill
             kernel over the pages; "auto" (default): "pagedkv" for float32 and float64
-            models stored in their own dtype on the AVX-512 paths, where the prefill kernel measured faster than
-            torch's (``prompt_kernel_default``), else "torch".  Every later step (decode, a
+            models stored in their own dtype on the AVX-512 paths, where the prefill kernel
+            measured faster than torch's (``prompt_kernel_default``), else "torch".  Every later step (decode, a
             second turn, chunks) runs pagedkv's kernels.  Under StreamingLLM, and for layers
             with logit softcapping or learned sinks, prompts always run the kernels.
 
