@@ -41,14 +41,27 @@ typedef struct {
     int l2;            /* 1: prefetch into L2 (prefetcht1), 0: into L1 (prefetcht0) */
 } pkv_pfs;
 
-/* Where the stream prefetches, chosen once per process by the CPU's vendor:
- * into L2 on Intel, into L1 elsewhere.  Measured (decode_ceiling, decode
- * time as % of the pattern read's, paired rounds):
+/* Where the stream prefetches, chosen once per process from the CPU
+ * (pkv_cpu_vendor): into L2 (prefetcht1; decode calls of
+ * PKV_PF_K_MIN_BYTES or more then prefetch their K units too, attn_args.h)
+ * on Intel and on AMD before family 0x1A; into L1 (prefetcht0) on AMD
+ * family 0x1A and later (Zen 5), other x86-64 vendors and aarch64 (not
+ * measured there).  Measured (decode_ceiling, decode CPU time as % of the
+ * pattern read's, paired rounds):
  *   Intel Xeon (Emerald Rapids class, AVX-512), f32 B=8 L=2048, 1 thread:
  *   into L1, V units only 81-84%; into L2 88-92%; into L2 with the K units
  *   too 97%; 2 threads 81-84% -> 89-100%; f64 73-76% -> 94-95%.
- *   AMD EPYC (Zen 5 class): into L1 62%, into L2 55-57%; K units too no
- *   faster out of DRAM and 15-20% slower in cache.
+ *   AMD EPYC (Zen 5 class, family 0x1A): into L1 62%, into L2 55-57%; K
+ *   units too no faster out of DRAM and 15-20% slower in cache.
+ *   AMD EPYC (Zen 4 class, family 0x19 model 0x11, the AVX2 path: the VM
+ *   hides AVX-512), 5 paired rounds, two to six times: f32 B=8 L=2048 1
+ *   thread into L1 35-40%, into L2 43-48%, into L2 with the K units
+ *   62-87%; B=1 L=8192 37-38% -> 68-82% (with the K units); 2 threads
+ *   B=8 L=2048 50-52% -> 76-80%, B=1 L=8192 47-56% -> 67-81%; f64 B=8
+ *   L=2048 34-36% -> 69-75%, B=1 L=8192 2 threads 47-50% -> 72-75%; in
+ *   cache (B=1 L=64 and 512) the same time either way.  The Zen 3 class
+ *   (family 0x19, 512 KiB L2) was measured only into L1 (60-72% after the
+ *   stream took the reading's pace).
  * -DPKV_PF_LOCALITY=2 or 3 forces one (measurements). */
 static inline int pkv_pf_into_l2(void) {
 #ifdef PKV_PF_LOCALITY
@@ -57,7 +70,9 @@ static inline int pkv_pf_into_l2(void) {
     static int l2 = -1; /* cpuid traps to the hypervisor in a VM: asked once */
     int v = __atomic_load_n(&l2, __ATOMIC_RELAXED);
     if (v < 0) {
-        v = pkv_cpu_is_intel();
+        int family;
+        const int vendor = pkv_cpu_vendor(&family);
+        v = vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family < 0x1A);
         __atomic_store_n(&l2, v, __ATOMIC_RELAXED);
     }
     return v;

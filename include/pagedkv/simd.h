@@ -36,6 +36,9 @@ enum {
 /* their names (PAGEDKV_SIMD), indexed by PKV_SIMD_*: an initializer */
 #define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot"}
 
+/* CPU vendors (pkv_cpu_vendor) */
+enum { PKV_CPU_OTHER = 0, PKV_CPU_INTEL = 1, PKV_CPU_AMD = 2 };
+
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define PKV_X86 1
 #define PKV_ARM64 0
@@ -47,11 +50,19 @@ static inline uint64_t pkv_xgetbv0(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 
-/* 1 on an Intel CPU (cpuid vendor "GenuineIntel"; prefetch.h), cached */
-static inline int pkv_cpu_is_intel(void) {
+/* The CPU's vendor (PKV_CPU_*), and its display family (base + extended,
+ * cpuid leaf 1) into *family: the prefetch stream's choices (prefetch.h). */
+static inline int pkv_cpu_vendor(int *family) {
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* Genu ineI ntel */
+    *family = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return PKV_CPU_OTHER;
+    const int intel = b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* Genu ineI ntel */
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   /* Auth enti cAMD */
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+        const int base = (a >> 8) & 0xF;
+        *family = base == 0xF ? base + (int)((a >> 20) & 0xFF) : base;
+    }
+    return intel ? PKV_CPU_INTEL : amd ? PKV_CPU_AMD : PKV_CPU_OTHER;
 }
 
 /* The x86 paths this CPU and OS can run, one bit per PKV_SIMD_* (scalar
@@ -120,13 +131,18 @@ static inline int pkv_detect_simd(void) {
 #define PKV_HAVE_NEONDOT 0
 static inline int pkv_detect_simd(void) { return PKV_SIMD_NEON; }
 #endif
-static inline int pkv_cpu_is_intel(void) { return 0; }
 
 #else
 #define PKV_X86 0
 #define PKV_ARM64 0
 static inline int pkv_detect_simd(void) { return PKV_SIMD_SCALAR; }
-static inline int pkv_cpu_is_intel(void) { return 0; }
+#endif
+
+#if !PKV_X86
+static inline int pkv_cpu_vendor(int *family) { /* not asked off x86 */
+    *family = 0;
+    return PKV_CPU_OTHER;
+}
 #endif
 
 /* 1 when path `simd` runs here and was built: scalar always; on x86-64

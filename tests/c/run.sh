@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
 #   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI
-#             where this CPU has them
+#             where this CPU has them; then again with the prefetch stream forced into L1
+#             and into L2
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
 #             qemu-aarch64-static: scalar, NEON and NEON + dot product, then again as
 #             a Cortex-A53, which lacks the dot product (skipped, saying so, when the
@@ -43,6 +44,12 @@ fi
 echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"
 "$out/test_kernels" "${require[@]}" "$@"
+# the prefetch stream goes into L1 or L2 by CPU (prefetch.h): run the other choice too
+for loc in 2 3; do
+    echo "== native, the prefetch stream forced into L$((4 - loc)) (-DPKV_PF_LOCALITY=$loc)"
+    build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc
+    "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
+done
 
 [ "$native_only" = 1 ] && exit 0
 if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null; then
