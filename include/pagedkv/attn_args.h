@@ -136,7 +136,9 @@ typedef struct {
  * K units too where the CPU prefetches into L2 (pkv_pf_into_l2): below it
  * the data is mostly in cache, where the prefetch instructions only cost
  * (Intel Xeon, f32 B=1 L=128, 1 MiB: 7-9% slower with them). */
+#ifndef PKV_PF_K_MIN_BYTES /* -D overrides it (measurements) */
 #define PKV_PF_K_MIN_BYTES (4 << 20)
+#endif
 
 /* A work item whose heads have at least this many query rows each (prefill
  * tiles: tokens x group members) runs no prefetch stream, and its 4-row
