@@ -41,16 +41,22 @@
  * vectors of storage: as many as the step reads (prefetch.h). */
 #define PKV_PF_STEP_LINES(vecs) (((vecs) * PKV_W * (int)sizeof(PKV_S) + 63) / 64)
 
-/* The walk of a micro-kernel over its steps k .. end - 1 (k an lvalue): 2 NS
- * steps at a time, step u into acc[u % NS] (NS independent sets of
- * accumulators), with one prefetch step of the lines those steps read; the
- * rest one at a time into acc[0].  Two rounds per prefetch step halve its
- * check: with K/V in L2 (AVX2, B=1 L=32/64) that took the kernel from 3-10%
- * slower than a 4-line step every round to 1-3% faster. */
+/* The walk of a micro-kernel over its steps k .. end - 1 (k an lvalue):
+ * PKV_MK_ROUND(NS) steps at a time, step u into acc[u % NS] (NS independent
+ * sets of accumulators), with one prefetch step of the lines those steps
+ * read; the rest one at a time into acc[0].  A round of 2 NS steps, at least
+ * 4: one prefetch check per round (with K/V in L2 on AVX2, two steps a round
+ * instead of one took B=1 L=32/64 from 3-10% slower than a 4-line step every
+ * round to 1-3% faster), and the one-set tiles (the 4 x NV tile of a GQA
+ * group, NS = 1) 4 steps a round rather than 2, which took f32 decode with
+ * K/V in L2 (B=1 L=64, AMD Zen 4 class, AVX2) 5-17% faster, paired. */
+#ifndef PKV_MK_ROUND
+#define PKV_MK_ROUND(NS) ((NS) < 2 ? 4 : 2 * (NS))
+#endif
 #define PKV_MK_SWEEP(acc, R, NV, NS, LOAD, BCAST, k, end)                                \
-    for (; k + 2 * (NS) <= (end); k += 2 * (NS)) {                                       \
-        PKV_PFS_STEP(PKV_PF_STEP_LINES(2 * (NS) * (NV)))                                 \
-        for (int u = 0; u < 2 * (NS); u++)                                               \
+    for (; k + PKV_MK_ROUND(NS) <= (end); k += PKV_MK_ROUND(NS)) {                       \
+        PKV_PFS_STEP(PKV_PF_STEP_LINES(PKV_MK_ROUND(NS) * (NV)))                         \
+        for (int u = 0; u < PKV_MK_ROUND(NS); u++)                                       \
             PKV_MK_STEP((acc)[u % (NS)], R, NV, LOAD, BCAST, k + u)                      \
     }                                                                                    \
     for (; k < (end); k++) PKV_MK_STEP((acc)[0], R, NV, LOAD, BCAST, k)
