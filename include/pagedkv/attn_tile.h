@@ -48,8 +48,9 @@
  * 4: one prefetch check per round (with K/V in L2 on AVX2, two steps a round
  * instead of one took B=1 L=32/64 from 3-10% slower than a 4-line step every
  * round to 1-3% faster), and the one-set tiles (the 4 x NV tile of a GQA
- * group, NS = 1) 4 steps a round rather than 2, which took f32 decode with
- * K/V in L2 (B=1 L=64, AMD Zen 4 class, AVX2) 5-17% faster, paired. */
+ * group, NS = 1) 4 steps a round rather than 2, which took f32 decode on
+ * AVX2 (AMD Zen 4 class, alternated builds) 3-24% faster with K/V in L2 (B=1
+ * L=64) and 12-64% at B=1 L=512 (docs/performance.md). */
 #ifndef PKV_MK_ROUND
 #define PKV_MK_ROUND(NS) ((NS) < 2 ? 4 : 2 * (NS))
 #endif
