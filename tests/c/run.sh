@@ -44,7 +44,8 @@ fi
 echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"
 "$out/test_kernels" "${require[@]}" "$@"
-# the prefetch stream goes into L1 or L2 by CPU (prefetch.h): run the other choice too
+# the prefetch stream goes into L1 or L2 by CPU (prefetch.h): run each choice forced, so the
+# one this CPU does not take is tested too (the other repeats the run above)
 for loc in 2 3; do
     echo "== native, the prefetch stream forced into L$((4 - loc)) (-DPKV_PF_LOCALITY=$loc)"
     build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc
