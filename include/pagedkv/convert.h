@@ -147,6 +147,9 @@ static inline void pkv_strided_copy(char *dst, size_t dstride, const char *src, 
     }
 }
 
+/* values converted at a time by pkv_store_row (a stack buffer) */
+#define PKV_CHUNK 64
+
 /* Element i of a row of type `type` (float32, bfloat16 or float16) as a float. */
 static inline float pkv_src_f32(const char *src, int type, int i) {
     switch (type) {
@@ -181,12 +184,22 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
         for (int i = 0; i < d; i++) ((double *)dst)[i * vstride] = (double)((const float *)src)[i];
         break;
     case PKV_BF16:
-        if (compute == PKV_F64) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_bf16(sd[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_bf16(pkv_src_f32(src, compute, i));
-        break;
-    case PKV_F16:
-        if (compute == PKV_F64) for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f64_to_f16(sd[i]);
-        else for (int i = 0; i < d; i++) ((uint16_t *)dst)[i * vstride] = pkv_f32_to_f16(pkv_src_f32(src, compute, i));
+    case PKV_F16: /* converted PKV_CHUNK values at a time in a contiguous loop, then placed */
+        for (int i0 = 0; i0 < d; i0 += PKV_CHUNK) {
+            const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
+            uint16_t t[PKV_CHUNK];
+            const float *sf = (const float *)src + i0;
+            if (store == PKV_BF16) {
+                if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_bf16(sd[i0 + i]);
+                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(sf[i]);
+                else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(pkv_src_f32(src, compute, i0 + i));
+            } else {
+                if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_f16(sd[i0 + i]);
+                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(sf[i]);
+                else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(pkv_src_f32(src, compute, i0 + i));
+            }
+            pkv_strided_copy(dst + (size_t)i0 * vstride * 2, vstride, (const char *)t, 1, n, 2);
+        }
         break;
     case PKV_I8:
         for (int i0 = 0, gi = 0; i0 < d; i0 += PKV_I8_GROUP, gi++) {
