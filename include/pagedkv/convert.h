@@ -188,14 +188,13 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
         for (int i0 = 0; i0 < d; i0 += PKV_CHUNK) {
             const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
             uint16_t t[PKV_CHUNK];
-            const float *sf = (const float *)src + i0;
             if (store == PKV_BF16) {
                 if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_bf16(sd[i0 + i]);
-                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(sf[i]);
+                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(((const float *)src)[i0 + i]);
                 else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(pkv_src_f32(src, compute, i0 + i));
             } else {
                 if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_f16(sd[i0 + i]);
-                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(sf[i]);
+                else if (compute == PKV_F32) for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(((const float *)src)[i0 + i]);
                 else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(pkv_src_f32(src, compute, i0 + i));
             }
             pkv_strided_copy(dst + (size_t)i0 * vstride * 2, vstride, (const char *)t, 1, n, 2);

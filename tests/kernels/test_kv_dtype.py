@@ -37,9 +37,10 @@ def _cache(kv_dtype, dtype="float32", num_blocks=64, block_size=16, hkv=2, d=64,
 
 
 def _roundtrip(kv_dtype, dtype, x):
-    """Append x [n, hkv, d] as K and -x as V; return the gathered (k, v)."""
+    """Append x [n, hkv, d] as K and -x as V; return the gathered (k, v).  Blocks of 16
+    tokens: K is written into and read from its transposed rows."""
     n, hkv, d = x.shape
-    c = _cache(kv_dtype, dtype, num_blocks=n, block_size=1, hkv=hkv, d=d)
+    c = _cache(kv_dtype, dtype, num_blocks=-(-n // 16), block_size=16, hkv=hkv, d=d)
     sid = c.add_sequence()
     c.append(sid, x, -x)
     return c.gather(sid)
@@ -115,10 +116,10 @@ def _special_values(kv_dtype, dtype):
 
 @pytest.mark.parametrize("kv_dtype,dtype", [p for p in PAIRS if p[0] != "int8"],
                          ids=[i for p, i in zip(PAIRS, PAIR_IDS) if p[0] != "int8"])
-def test_float_storage_rounds_to_nearest_even(kv_dtype, dtype):
+@pytest.mark.parametrize("d", [8, 130])  # 130: the write converts 64 values at a time, then 2
+def test_float_storage_rounds_to_nearest_even(kv_dtype, dtype, d):
     x = _special_values(kv_dtype, dtype)
     x = np.concatenate([x, [np.inf, -np.inf, np.nan]]).astype(dtype)
-    d = 8
     x = np.concatenate([x, np.zeros((-len(x)) % d, dtype=dtype)]).reshape(-1, 1, d)
     k, v = _roundtrip(kv_dtype, dtype, x)
     assert k.dtype == np.dtype(dtype) and v.dtype == np.dtype(dtype)
