@@ -141,7 +141,7 @@ static inline void pkv_strided_copy(char *dst, size_t dstride, const char *src, 
         for (int i = 0; i < d; i++) o[(size_t)i * dstride] = x[(size_t)i * sstride];
         break;
     }
-    default:
+    default: /* no other size reaches here (int8 rows are quantized, not copied); kept general */
         for (int i = 0; i < d; i++)
             memcpy(dst + (size_t)i * dstride * sz, src + (size_t)i * sstride * sz, sz);
     }
