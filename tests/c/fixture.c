@@ -10,7 +10,7 @@
 
 /* ---- random numbers (xorshift64*, reproducible on every platform) ------ */
 uint64_t rng_s = 88172645463325252ull;
-static uint64_t rnd_u64(void) {
+uint64_t rnd_u64(void) {
     rng_s ^= rng_s >> 12;
     rng_s ^= rng_s << 25;
     rng_s ^= rng_s >> 27;

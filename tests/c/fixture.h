@@ -11,6 +11,7 @@
 
 /* reproducible random numbers (xorshift64*): rng_s is the state, never 0 */
 extern uint64_t rng_s;
+uint64_t rnd_u64(void); /* the next 64 random bits */
 
 /* failed checks so far (the first 20 are printed) */
 extern long failures;

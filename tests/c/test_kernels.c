@@ -1,7 +1,8 @@
 /* tests/c/test_kernels.c -- the C kernels of include/pagedkv/ on every SIMD
  * path this build and CPU can run, against a plain C reference.
  *
- * Covered: token writes into the pool (checked byte for byte against the
+ * Covered: the row conversions into bfloat16, float16 and int8 against their
+ * scalar rules, token writes into the pool (checked byte for byte against the
  * documented layout, untouched bytes included), reads back, the sequence
  * check, the vector exp, paged decode and causal prefill with and without
  * RoPE, each with and without a sliding window, logit softcapping and
@@ -522,6 +523,69 @@ static long check_linear(int simd, int dt, int trials) {
     return cases;
 }
 
+/* The row conversions of convert.h (SSE2 / F16C where x86-64 has them, the
+ * scalar rules elsewhere) against the scalar rules themselves: float32 ->
+ * bfloat16 and float16 over a sample of every 2^32 bit pattern (each run of
+ * 64 consecutive patterns at a random start, every 4,096 patterns: NaNs,
+ * infinities, subnormals and ties included), and int8 groups against the rule
+ * written out in double (convert.h's header) over random, tied, subnormal,
+ * huge and poisoned groups.  Returns the values checked. */
+static long check_convert(void) {
+    long n = 0, bad16 = 0, badq = 0;
+    float x[64];
+    uint16_t a[64], b[64];
+    for (uint64_t base = 0; base < (1ull << 32); base += 4096) {
+        const uint32_t at = (uint32_t)(base + rnd_u64() % 4032);
+        for (int i = 0; i < 64; i++) x[i] = pkv_bits_f32(at + (uint32_t)i);
+        const int m = 57 + (int)(base >> 12) % 8; /* a tail past the last whole vector */
+        pkv_f32_to_bf16_row(a, x, m);
+        pkv_f32_to_f16_row(b, x, m);
+        for (int i = 0; i < m; i++) {
+            bad16 += a[i] != pkv_f32_to_bf16(x[i]);
+            bad16 += b[i] != pkv_f32_to_f16(x[i]);
+        }
+        n += 2 * m;
+    }
+    CHECK(bad16 == 0, "float32 -> bfloat16 / float16 rows: %ld of %ld values differ from the scalar rules", bad16, n);
+    for (int it = 0; it < 200000; it++) {
+        const int kind = it % 6, len = it % 7 == 0 ? 1 + it % 31 : 32;
+        float xf[32];
+        double xd[32], want_amax = 0;
+        for (int i = 0; i < len; i++) {
+            double v = (rnd_u64() >> 11) * 0x1p-53 * 2 - 1;
+            if (kind == 1) v = (double)((int)(rnd_u64() % 511) - 255) / 2; /* ties after scaling */
+            if (kind == 2) v *= 1e-40;                                   /* a subnormal scale */
+            if (kind == 3) v *= exp((double)(rnd_u64() % 80) - 40);
+            if (kind == 4 && i == len / 2) v = (it / 6) % 2 ? NAN : -INFINITY;
+            if (kind == 5) v *= 1e300;                                   /* past float32 (f64 only) */
+            xd[i] = v;
+            xf[i] = (float)v;
+        }
+        for (int f64 = 0; f64 < 2; f64++) {
+            if (kind == 5 && !f64) continue;
+            int8_t q[32], want[32];
+            const float sc = f64 ? pkv_quant_group_f64(q, xd, len) : pkv_quant_group_f32(q, xf, len);
+            int poisoned = 0;
+            want_amax = 0;
+            for (int i = 0; i < len; i++) {
+                const double v = f64 ? xd[i] : (double)xf[i];
+                if (!(fabs(v) <= 1.7976931348623157e308)) poisoned = 1;
+                else if (fabs(v) > want_amax) want_amax = fabs(v);
+            }
+            const float wsc = poisoned ? NAN : (float)(want_amax / 127.0);
+            const double inv = wsc > 0 ? 1.0 / (double)wsc : 0.0;
+            for (int i = 0; i < len; i++) {
+                double r = poisoned ? 0 : rint((f64 ? xd[i] : (double)xf[i]) * inv);
+                want[i] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+            }
+            badq += memcmp(q, want, (size_t)len) != 0 || !(sc == wsc || (isnan(sc) && isnan(wsc)));
+            n += len;
+        }
+    }
+    CHECK(badq == 0, "int8 groups: %ld differ from the quantization rule", badq);
+    return n;
+}
+
 int main(int argc, char **argv) {
     int trials = 60;
     uint64_t seed = 20261123;
@@ -550,6 +614,7 @@ int main(int argc, char **argv) {
             printf("  %-6s built, not supported by this CPU: skipped\n", simd_names[simd]);
     }
 
+    printf("  storage conversions: %ld values checked against the scalar rules\n", check_convert());
     tally t;
     memset(&t, 0, sizeof t);
     for (int dt = 0; dt < 2; dt++)
