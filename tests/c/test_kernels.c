@@ -526,7 +526,7 @@ static long check_linear(int simd, int dt, int trials) {
 /* The row conversions of convert.h (SSE2 / F16C where x86-64 has them, the
  * scalar rules elsewhere) against the scalar rules themselves: float32 ->
  * bfloat16 and float16 over a sample of every 2^32 bit pattern (each run of
- * 64 consecutive patterns at a random start, every 4,096 patterns: NaNs,
+ * 64 consecutive patterns at a random start, every 16,384 patterns: NaNs,
  * infinities, subnormals and ties included), and int8 groups against the rule
  * written out in double (convert.h's header) over random, tied, subnormal,
  * huge and poisoned groups.  Returns the values checked. */
@@ -534,10 +534,10 @@ static long check_convert(void) {
     long n = 0, bad16 = 0, badq = 0;
     float x[64];
     uint16_t a[64], b[64];
-    for (uint64_t base = 0; base < (1ull << 32); base += 4096) {
-        const uint32_t at = (uint32_t)(base + rnd_u64() % 4032);
+    for (uint64_t base = 0; base < (1ull << 32); base += 16384) {
+        const uint32_t at = (uint32_t)(base + rnd_u64() % 16320);
         for (int i = 0; i < 64; i++) x[i] = pkv_bits_f32(at + (uint32_t)i);
-        const int m = 57 + (int)(base >> 12) % 8; /* a tail past the last whole vector */
+        const int m = 57 + (int)(base >> 14) % 8; /* a tail past the last whole vector */
         pkv_f32_to_bf16_row(a, x, m);
         pkv_f32_to_f16_row(b, x, m);
         for (int i = 0; i < m; i++) {
