@@ -3,6 +3,9 @@
  * row writers/readers that layout.h uses for appends and gathers.  The
  * attention kernels convert on load with their own vector vocabulary
  * (PKV_LD_* of vocab_*.h) and fall back to the scalar readers here for tails.
+ * Appends from float32 (and int8 from float64) convert whole vectors where
+ * x86-64 allows (SSE2, and F16C for float16: the *_row functions and
+ * pkv_quant32_*), giving the scalar rules' results bit for bit.
  *
  * Rounding is to nearest, ties to even, everywhere:
  *   - float  -> bfloat16 / float16: on the bits (exact RNE);
@@ -131,7 +134,8 @@ static inline void pkv_f32_to_bf16_row(uint16_t *dst, const float *src, int n) {
  * a vector holding a NaN goes through the scalar rule, which makes every NaN
  * the same quiet NaN (vcvtps2ph would keep part of its payload).  Checked
  * equal to the scalar rule over all 2^32 float32 inputs.  A token [1, 8, 128]
- * of K and V into float16: 6.5-7.9 us scalar. */
+ * of K and V into float16 (Zen 4 class, AVX2 path): 4.6-6.1 us with the
+ * scalar rule, 1.1-1.9 us this way. */
 #if PKV_X86
 PKV_TARGET_BEGIN("avx,f16c")
 static inline int pkv_f32_to_f16_f16c(uint16_t *dst, const float *src, int n) {
@@ -162,9 +166,9 @@ static inline void pkv_f32_to_f16_row(uint16_t *dst, const float *src, int n) {
  * baseline: no dispatch), which computes the same values: the largest |x|
  * compared in the source type (exact), the product x * (1 / scale) in double,
  * and cvtpd2dq's rounding, which like rint's follows the current mode (to
- * nearest, ties to even, by default).  Each value took a scalar double
- * multiply and rint before (a token [1, 8, 128] of K and V into int8: 7-12 us
- * against 1.6-2.2 us into float32). */
+ * nearest, ties to even, by default).  A token [1, 8, 128] of K and V into
+ * int8 (Zen 4 class, AVX2 path): 7.6-11.4 us with the scalar loop, 2.8-4.4 us
+ * this way (float32 storage: 1.4-1.7 us). */
 #if PKV_SSE2
 /* the group's scale from its largest |x| (as scalar code computes it) and the
  * reciprocal the values are multiplied by */
