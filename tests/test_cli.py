@@ -5,6 +5,7 @@ import math
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import pagedkv
@@ -111,7 +112,10 @@ def test_bench_prefill_append_without_torch(tmp_path, capsys):
     assert len(pre) == 1 and set(pre[0]["results"]) == {"pagedkv", "numpy"}
     assert _positive_finite(pre[0]["results"]["pagedkv"]["gflops"])
     assert _positive_finite(pre[0]["ratios"]["numpy"])
-    assert [r["call"] for r in app] == ["append", "append_batch"]
+    # the arrays' own storage (append, append_batch), then append into each narrower storage
+    assert [(r["call"], r["kv_dtype"]) for r in app] == [
+        ("append", "float32"), ("append_batch", "float32"), ("append", "bfloat16"),
+        ("append", "float16"), ("append", "int8")]
     for r in app:
         assert set(r["results"]) == {"pagedkv", "numpy"}
         assert _positive_finite(r["ratios"]["numpy"])
@@ -120,6 +124,7 @@ def test_bench_prefill_append_without_torch(tmp_path, capsys):
     assert data["targets"]["append"]["us_per_call"] > 0
     out = capsys.readouterr().out
     assert "n/a" in out  # the torch rows
+    assert "f32 as bf16" in out and "f32 as i8" in out
 
 
 def test_bench_streaming_unavailable_is_said(tmp_path, monkeypatch):
@@ -263,3 +268,23 @@ def test_bench_targets_show_the_small_call_against_its_pattern_read():
                          "ratio_vs_torch": 3.0}]}
     row = [line for line in runner.format_targets(t).splitlines() if "small call" in line]
     assert len(row) == 1 and "2.5x its pattern read (1.20 µs)" in row[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "int8"])
+def test_append_bench_check_accepts_the_rounding_and_nothing_more(kv_dtype):
+    """The append suite's read-back check for narrower storage: the storage's own rounding
+    passes, a value off by more than that does not."""
+    from pagedkv.benchmarks.append import _close
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 70)).astype(np.float32)
+    x[0, 0, :5] = 1e-6  # tiny values: float16's subnormal spacing
+    cache = pagedkv.PagedKVCache(4, 16, 2, 70, kv_dtype=kv_dtype)
+    sid = cache.add_sequence()
+    cache.append(sid, x, x)
+    k, _ = cache.gather(sid)
+    assert _close(k, x, kv_dtype)
+    for at in [(0, 0, 1), (2, 1, 69)]:
+        bad = k.copy()
+        bad[at] += 0.02 * float(np.abs(x).max())  # 5x int8's half step, far past 16-bit rounding
+        assert not _close(bad, x, kv_dtype)

@@ -5,6 +5,10 @@ pagedkv: ``cache.append(sid, k, v)`` with k, v [1, Hkv, D] and
 of B sequences).  Baselines write the same bytes (K and V) into preallocated
 arrays: NumPy ``K[i] = k; V[i] = v`` and torch slice assignment.
 
+With narrower storage (``--kv-dtypes``, default bf16, f16, int8) ``append`` is
+also timed into a cache of that ``kv_dtype`` from the same arrays (one row per
+storage): the conversion's cost, against the same baselines.
+
 A sample is a fixed number of consecutive appends into a sequence that the
 untimed set-up rewinds to empty first (``truncate(sid, 0)``), so block
 allocation at block boundaries is part of what is measured; the baselines
@@ -34,7 +38,12 @@ ALLOC_APPENDS = 10_000
 
 
 def steps(settings: Settings) -> int:
-    return len(settings.dtypes) * 2
+    return sum(2 + len(_kv_dtypes(settings, dt)) for dt in settings.dtypes)
+
+
+def _kv_dtypes(settings: Settings, dtype: str) -> List[str]:
+    """The narrower storages timed for arrays of `dtype` (its own storage is the plain row)."""
+    return [k for k in settings.kv_dtypes if k != dtype]
 
 
 def _appends_per_sample(settings: Settings) -> int:
@@ -42,13 +51,15 @@ def _appends_per_sample(settings: Settings) -> int:
 
 
 class _Case:
-    """One (dtype, B) configuration; B == 0 means single-sequence ``append``."""
+    """One (dtype, B, storage) configuration; B == 0 means single-sequence ``append``;
+    kv_dtype None stores the arrays' own dtype."""
 
-    def __init__(self, dtype: str, B: int, tokens: int, sh, torch, seed: int):
+    def __init__(self, dtype: str, B: int, tokens: int, sh, torch, seed: int, kv_dtype=None):
         import pagedkv
 
         dt = np.dtype(dtype)
         self.dtype, self.B, self.tokens = dtype, B, tokens
+        self.kv_dtype = kv_dtype or dtype
         nseq = max(B, 1)
         rng = np.random.default_rng(seed)
         self.k = rng.standard_normal((nseq, sh.hkv, sh.d), dtype=dt)
@@ -56,7 +67,8 @@ class _Case:
         nblk = -(-tokens // BLOCK_SIZE)
         self.cache = pagedkv.PagedKVCache(num_blocks=nseq * nblk, block_size=BLOCK_SIZE,
                                           num_kv_heads=sh.hkv, head_dim=sh.d, dtype=dtype,
-                                          max_seqs=nseq, max_blocks_per_seq=nblk)
+                                          kv_dtype=kv_dtype, max_seqs=nseq,
+                                          max_blocks_per_seq=nblk)
         self.sids = [self.cache.add_sequence() for _ in range(nseq)]
         self.K = np.zeros((tokens,) + self.k.shape, dtype=dt) if B else \
             np.zeros((tokens, sh.hkv, sh.d), dtype=dt)
@@ -133,13 +145,16 @@ def run(settings: Settings) -> List[dict]:
     t = 1  # appends are single-threaded everywhere
     recs = []
     for di, dtype in enumerate(settings.dtypes):
-        for B in (0, 2 if settings.tiny else 8):
+        configs = [(0, None), (2 if settings.tiny else 8, None)]
+        configs += [(0, kv) for kv in _kv_dtypes(settings, dtype)]
+        for B, kv in configs:
             calls = per_sample if B == 0 else max(1, per_sample // B)
             alloc_calls = alloc_appends if B == 0 else max(1, alloc_appends // B)
             tokens = max(calls, alloc_calls)
-            label = f"append {short_dtype(dtype)} " + ("append" if B == 0 else f"append_batch B={B}")
+            label = (f"append {_storage(dtype, kv or dtype)} "
+                     + ("append" if B == 0 else f"append_batch B={B}"))
             with settings.stage(label), \
-                    closing(_Case(dtype, B, tokens, sh, torch, seed=100 + di)) as case:
+                    closing(_Case(dtype, B, tokens, sh, torch, seed=100 + di, kv_dtype=kv)) as case:
                 impls = {PAGEDKV: Impl(case.run_pagedkv, setup=case.rewind, inner=calls),
                          NUMPY: Impl(case.run_numpy, inner=calls)}
                 if torch is not None:
@@ -157,14 +172,43 @@ def run(settings: Settings) -> List[dict]:
     return recs
 
 
+def _storage(dtype: str, kv_dtype: str) -> str:
+    """The dtype cell: the arrays' dtype, and the storage where it is another."""
+    if kv_dtype == dtype:
+        return short_dtype(dtype)
+    return f"{short_dtype(dtype)} as {short_dtype(kv_dtype)}"
+
+
+def _close(got: np.ndarray, want: np.ndarray, kv_dtype: str) -> bool:
+    """got (read back from `kv_dtype` storage) is want within that storage's rounding: half
+    a unit in the last place of bfloat16 (8 bits) or float16 (11 bits, 2^-24 apart below
+    2^-14), half a step of int8's scale per group of 32 values (its largest |x| / 127)."""
+    want = want.astype(np.float64)
+    err = np.abs(got.astype(np.float64) - want)
+    if kv_dtype == "int8":
+        groups = -(-want.shape[-1] // 32) * 32
+        padded = np.zeros(want.shape[:-1] + (groups,))
+        padded[..., :want.shape[-1]] = np.abs(want)
+        amax = padded.reshape(want.shape[:-1] + (-1, 32)).max(axis=-1)
+        bound = np.repeat(amax / 254.0, 32, axis=-1)[..., :want.shape[-1]] * (1 + 1e-6)
+    else:
+        bits = {"bfloat16": 8, "float16": 11}.get(kv_dtype, 53)
+        bound = np.maximum(np.abs(want) * 2.0 ** -bits, 2.0 ** -25 if kv_dtype == "float16" else 0)
+    return bool(np.all(err <= bound))
+
+
 def _verify(case: _Case, sh) -> None:
-    """The appended token reads back as written (pagedkv) - a sanity check
-    that the timed call does what the baselines do."""
+    """The appended token reads back as written (pagedkv; within the storage's rounding
+    where it is narrower) - a sanity check that the timed call does what the baselines do."""
     case.rewind()
     case.run_pagedkv(1)
     for b, sid in enumerate(case.sids):
         k, v = case.cache.gather(sid)
-        if not (np.array_equal(k[0], case.k[b]) and np.array_equal(v[0], case.v[b])):
+        if case.kv_dtype == case.dtype:
+            ok = np.array_equal(k[0], case.k[b]) and np.array_equal(v[0], case.v[b])
+        else:
+            ok = _close(k[0], case.k[b], case.kv_dtype) and _close(v[0], case.v[b], case.kv_dtype)
+        if not ok:
             raise AssertionError("append benchmark: the token read back differs")
 
 
@@ -174,7 +218,7 @@ def _record(case: _Case, sh, timings, allocs) -> dict:
         "us_per_call": tm.median * 1e6, "us_per_token": tm.median * 1e6 / tokens_per_call,
         "gbps": case.token_bytes / tm.median / 1e9, "tracemalloc": allocs[name]})
     ratios = paired_ratios(timings)
-    return {"suite": "append", "dtype": case.dtype, "threads": 1,
+    return {"suite": "append", "dtype": case.dtype, "kv_dtype": case.kv_dtype, "threads": 1,
             "call": "append" if case.B == 0 else "append_batch", "B": tokens_per_call,
             "Hkv": sh.hkv, "D": sh.d, "token_shape": [tokens_per_call, sh.hkv, sh.d],
             "bytes_per_call": case.token_bytes, "results": results, "ratios": ratios}
@@ -184,7 +228,8 @@ def _head(r0: dict) -> str:
     return (f"Append: K and V of one token per sequence [B, {r0['Hkv']}, {r0['D']}], 1 thread.  "
             f"Allocation = tracemalloc peak / net bytes over\n{r0['alloc_tokens']:,} "
             "appended tokens (number of calls shown; torch's C++ allocator is invisible to "
-            "tracemalloc).")
+            "tracemalloc).  \"f32 as bf16\": float32 arrays into bfloat16 storage (the "
+            "baselines write the\narrays' own bytes).")
 
 
 def _rows(r: dict) -> List[List[str]]:
@@ -196,7 +241,8 @@ def _rows(r: dict) -> List[List[str]]:
                 f" ({a['calls']:,} calls)", speed]
 
     call = "append" if r["call"] == "append" else f"append_batch B={r['B']}"
-    return grouped([short_dtype(r["dtype"]), call], impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
+    dtype = _storage(r["dtype"], r.get("kv_dtype", r["dtype"]))
+    return grouped([dtype, call], impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 6))
 
 
 def report(settings: Settings, recs: List[dict]) -> str:

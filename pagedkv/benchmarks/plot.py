@@ -57,7 +57,9 @@ def plot_results(results: dict, path: str) -> None:
           lambda r: f"{short_dtype(r['dtype'])} L={r['L']} t={r['threads']}",
           ("pagedkv", "numpy", "torch-sdpa"))
     _bars(axes[nrow - 1][1], append, "us_per_call", "µs per call", "append (1 thread)",
-          lambda r: f"{short_dtype(r['dtype'])} {r['call']} B={r['B']}",
+          lambda r: (f"{short_dtype(r['dtype'])} {r['call']} B={r['B']}"
+                     + (f" as {short_dtype(r['kv_dtype'])}"
+                        if r.get("kv_dtype", r["dtype"]) != r["dtype"] else "")),
           ("pagedkv", "numpy", "torch"))
     for col in range(2, ncol):
         axes[nrow - 1][col].axis("off")

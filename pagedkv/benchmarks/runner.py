@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="f32,f64", metavar="LIST",
                    help="f32, f64 or both (default: f32,f64)")
     p.add_argument("--kv-dtypes", default="bf16,f16,i8", metavar="LIST",
-                   help="storage dtypes the decode suite times besides f32/f64 pagedkv "
-                        "(bf16, f16, i8; 'none' for none; default bf16,f16,i8)")
+                   help="storage dtypes the decode and append suites time besides "
+                        "f32/f64 pagedkv (bf16, f16, i8; 'none' for none; default bf16,f16,i8)")
     p.add_argument("--suites", default=",".join(SUITES), metavar="LIST",
                    help=f"comma-separated subset of {','.join(SUITES + OPT_IN_SUITES)} "
                         f"(default and 'all': {','.join(SUITES)}; 'hf', transformers generate "
@@ -345,7 +345,7 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
                           "torch_gflops": tr["gflops"] if tr else None,
                           "torch_variant": r.get("torch_variant"),
                           "ratio_vs_torch": r["ratios"].get(prefill_suite.TORCH)}
-    r = _find(records, suite="append", dtype="float32", call="append")
+    r = _find(records, suite="append", dtype="float32", kv_dtype="float32", call="append")
     if r is not None:
         p = r["results"][PAGEDKV]
         out["append"] = {"dtype": "float32", "token_shape": r["token_shape"],
