@@ -3,8 +3,8 @@
  * row writers/readers that layout.h uses for appends and gathers.  The
  * attention kernels convert on load with their own vector vocabulary
  * (PKV_LD_* of vocab_*.h) and fall back to the scalar readers here for tails.
- * Appends from float32 (and int8 from float64) convert whole vectors where
- * x86-64 allows (SSE2, and F16C for float16: the *_row functions and
+ * Appends from float32 and float64 convert whole vectors where x86-64
+ * allows (SSE2, and F16C for float16: the *_row functions and
  * pkv_quant32_*), giving the scalar rules' results bit for bit.
  *
  * Rounding is to nearest, ties to even, everywhere:
@@ -101,6 +101,36 @@ static inline float pkv_f64_to_f32_odd(double x) {
 
 static inline uint16_t pkv_f64_to_bf16(double x) { return pkv_f32_to_bf16(pkv_f64_to_f32_odd(x)); }
 static inline uint16_t pkv_f64_to_f16(double x) { return pkv_f32_to_f16(pkv_f64_to_f32_odd(x)); }
+
+/* n float64 values -> float32 rounded to odd (pkv_f64_to_f32_odd), the first
+ * step of float64 -> bfloat16 / float16, four at a time with SSE2 on x86-64:
+ * rounded to nearest, then, where inexact, stepped back toward zero if it
+ * rounded away and its last bit set (an overflow to inf steps back to
+ * FLT_MAX, as the scalar rule returns; a NaN stays a NaN whose upper bits are
+ * the scalar rule's, all the 16-bit rules read). */
+static inline void pkv_f64_to_f32_odd_row(float *dst, const double *src, int n) {
+    int i = 0;
+#if PKV_SSE2
+    const __m128d absm = _mm_castsi128_pd(_mm_set1_epi64x(0x7fffffffffffffffll));
+    const __m128i one = _mm_set1_epi32(1);
+    for (; i + 4 <= n; i += 4) {
+        __m128i u[2];
+        for (int j = 0; j < 2; j++) {
+            const __m128d x = _mm_loadu_pd(src + i + 2 * j);
+            const __m128 f = _mm_cvtpd_ps(x);
+            const __m128d back = _mm_cvtps_pd(f);
+            /* 64-bit lane masks -> the low two 32-bit lanes */
+            const __m128i inexact = _mm_shuffle_epi32(_mm_castpd_si128(_mm_cmpneq_pd(back, x)), 0x08);
+            const __m128i away = _mm_shuffle_epi32(
+                _mm_castpd_si128(_mm_cmpgt_pd(_mm_and_pd(back, absm), _mm_and_pd(x, absm))), 0x08);
+            const __m128i b = _mm_sub_epi32(_mm_castps_si128(f), _mm_and_si128(away, one));
+            u[j] = _mm_or_si128(b, _mm_and_si128(inexact, one));
+        }
+        _mm_storeu_ps(dst + i, _mm_castsi128_ps(_mm_unpacklo_epi64(u[0], u[1])));
+    }
+#endif
+    for (; i < n; i++) dst[i] = pkv_f64_to_f32_odd(src[i]);
+}
 
 /* n float32 values -> bfloat16, the rule of pkv_f32_to_bf16, four at a time
  * with SSE2 on x86-64 (baseline: no dispatch).  Checked equal to the scalar
@@ -345,12 +375,18 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
             const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
             uint16_t t[PKV_CHUNK];
             if (store == PKV_BF16) {
-                if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_bf16(sd[i0 + i]);
-                else if (compute == PKV_F32) pkv_f32_to_bf16_row(t, (const float *)src + i0, n);
+                if (compute == PKV_F64) {
+                    float f[PKV_CHUNK];
+                    pkv_f64_to_f32_odd_row(f, sd + i0, n);
+                    pkv_f32_to_bf16_row(t, f, n);
+                } else if (compute == PKV_F32) pkv_f32_to_bf16_row(t, (const float *)src + i0, n);
                 else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_bf16(pkv_src_f32(src, compute, i0 + i));
             } else {
-                if (compute == PKV_F64) for (int i = 0; i < n; i++) t[i] = pkv_f64_to_f16(sd[i0 + i]);
-                else if (compute == PKV_F32) pkv_f32_to_f16_row(t, (const float *)src + i0, n);
+                if (compute == PKV_F64) {
+                    float f[PKV_CHUNK];
+                    pkv_f64_to_f32_odd_row(f, sd + i0, n);
+                    pkv_f32_to_f16_row(t, f, n);
+                } else if (compute == PKV_F32) pkv_f32_to_f16_row(t, (const float *)src + i0, n);
                 else for (int i = 0; i < n; i++) t[i] = pkv_f32_to_f16(pkv_src_f32(src, compute, i0 + i));
             }
             pkv_strided_copy(dst + (size_t)i0 * vstride * 2, vstride, (const char *)t, 1, n, 2);

@@ -527,7 +527,8 @@ static long check_linear(int simd, int dt, int trials) {
  * scalar rules elsewhere) against the scalar rules themselves: float32 ->
  * bfloat16 and float16 over a sample of every 2^32 bit pattern (each run of
  * 64 consecutive patterns at a random start, every 16,384 patterns: NaNs,
- * infinities, subnormals and ties included), and int8 groups against the rule
+ * infinities, subnormals and ties included), float64 -> bfloat16 and float16
+ * through the float32 rows rounded to odd, and int8 groups against the rule
  * written out in double (convert.h's header) over random, tied, subnormal,
  * huge and poisoned groups.  Returns the values checked. */
 static long check_convert(void) {
@@ -547,6 +548,37 @@ static long check_convert(void) {
         n += 2 * m;
     }
     CHECK(bad16 == 0, "float32 -> bfloat16 / float16 rows: %ld of %ld values differ from the scalar rules", bad16, n);
+    /* float64 -> bfloat16 / float16 through the rows' float32 rounded to odd: any bits, exact
+     * floats, values a hair off a float or on a tie between two, float32's range ends */
+    long bad64 = 0, n64 = 0;
+    for (int it = 0; it < 40000; it++) {
+        double xd[64];
+        float f[64];
+        for (int i = 0; i < 64; i++) {
+            const uint64_t r = rnd_u64();
+            const float fr = pkv_bits_f32((uint32_t)r);
+            double v;
+            switch ((it + i) % 5) {
+            case 0: memcpy(&v, &r, 8); break;
+            case 1: v = (double)fr; break;
+            case 2: v = (double)fr * (1.0 + ((r >> 40) & 1 ? 0x1p-30 : -0x1p-30)); break;
+            case 3: v = (double)fr + ldexp((double)fr, -25); break;
+            default: v = ldexp((double)(r >> 11), (int)(r % 400) - 253); break;
+            }
+            xd[i] = v;
+        }
+        const int m = 61 + it % 4;
+        pkv_f64_to_f32_odd_row(f, xd, m);
+        pkv_f32_to_bf16_row(a, f, m);
+        pkv_f32_to_f16_row(b, f, m);
+        for (int i = 0; i < m; i++) {
+            bad64 += a[i] != pkv_f64_to_bf16(xd[i]);
+            bad64 += b[i] != pkv_f64_to_f16(xd[i]);
+        }
+        n64 += 2 * m;
+    }
+    CHECK(bad64 == 0, "float64 -> bfloat16 / float16 rows: %ld of %ld values differ from the scalar rules", bad64, n64);
+    n += n64;
     for (int it = 0; it < 200000; it++) {
         const int kind = it % 6, len = it % 7 == 0 ? 1 + it % 31 : 32;
         float xf[32];
