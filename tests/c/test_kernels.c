@@ -528,7 +528,8 @@ static long check_linear(int simd, int dt, int trials) {
  * bfloat16 and float16 over a sample of every 2^32 bit pattern (each run of
  * 64 consecutive patterns at a random start, every 16,384 patterns: NaNs,
  * infinities, subnormals and ties included), float64 -> bfloat16 and float16
- * through the float32 rows rounded to odd, and int8 groups against the rule
+ * through the float32 rows rounded to odd, every bfloat16 and float16 value
+ * into float32, and int8 groups against the rule
  * written out in double (convert.h's header) over random, tied, subnormal,
  * huge and poisoned groups.  Returns the values checked. */
 static long check_convert(void) {
@@ -579,6 +580,20 @@ static long check_convert(void) {
     }
     CHECK(bad64 == 0, "float64 -> bfloat16 / float16 rows: %ld of %ld values differ from the scalar rules", bad64, n64);
     n += n64;
+    /* bfloat16 and float16 -> float32: every 16-bit input, bit for bit (NaNs keep their bits) */
+    static uint16_t h16[1 << 16];
+    static float f32[1 << 16];
+    long bad32 = 0;
+    for (int i = 0; i < 1 << 16; i++) h16[i] = (uint16_t)i;
+    for (int type = PKV_BF16; type <= PKV_F16; type++) {
+        pkv_16_to_f32_row(f32, h16, type, (1 << 16) - 5); /* a tail past the last whole vector */
+        for (int i = 0; i < (1 << 16) - 5; i++) {
+            const float want = type == PKV_BF16 ? pkv_bf16_to_f32(h16[i]) : pkv_f16_to_f32(h16[i]);
+            bad32 += pkv_f32_bits(f32[i]) != pkv_f32_bits(want);
+        }
+        n += (1 << 16) - 5;
+    }
+    CHECK(bad32 == 0, "bfloat16 / float16 -> float32 rows: %ld values differ from the scalar rules", bad32);
     for (int it = 0; it < 200000; it++) {
         const int kind = it % 6, len = it % 7 == 0 ? 1 + it % 31 : 32;
         float xf[32];
