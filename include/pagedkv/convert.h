@@ -416,29 +416,13 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
         for (int i0 = 0; i0 < d; i0 += PKV_CHUNK) {
             const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
             uint16_t t[PKV_CHUNK];
-            if (store == PKV_BF16) {
-                if (compute == PKV_F64) {
-                    float f[PKV_CHUNK];
-                    pkv_f64_to_f32_odd_row(f, sd + i0, n);
-                    pkv_f32_to_bf16_row(t, f, n);
-                } else if (compute == PKV_F32) pkv_f32_to_bf16_row(t, (const float *)src + i0, n);
-                else { /* from float16 */
-                    float f[PKV_CHUNK];
-                    pkv_16_to_f32_row(f, (const uint16_t *)src + i0, compute, n);
-                    pkv_f32_to_bf16_row(t, f, n);
-                }
-            } else {
-                if (compute == PKV_F64) {
-                    float f[PKV_CHUNK];
-                    pkv_f64_to_f32_odd_row(f, sd + i0, n);
-                    pkv_f32_to_f16_row(t, f, n);
-                } else if (compute == PKV_F32) pkv_f32_to_f16_row(t, (const float *)src + i0, n);
-                else { /* from bfloat16 */
-                    float f[PKV_CHUNK];
-                    pkv_16_to_f32_row(f, (const uint16_t *)src + i0, compute, n);
-                    pkv_f32_to_f16_row(t, f, n);
-                }
-            }
+            float f[PKV_CHUNK];
+            const float *x = f; /* the chunk as float32 (float64 rounded to odd: no double rounding) */
+            if (compute == PKV_F32) x = (const float *)src + i0;
+            else if (compute == PKV_F64) pkv_f64_to_f32_odd_row(f, sd + i0, n);
+            else pkv_16_to_f32_row(f, (const uint16_t *)src + i0, compute, n); /* the other 16-bit format: exact */
+            if (store == PKV_BF16) pkv_f32_to_bf16_row(t, x, n);
+            else pkv_f32_to_f16_row(t, x, n);
             pkv_strided_copy(dst + (size_t)i0 * vstride * 2, vstride, (const char *)t, 1, n, 2);
         }
         break;
