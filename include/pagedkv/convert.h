@@ -303,12 +303,18 @@ PKV_DEF_QUANT(pkv_quant_group_f64, f64, double)
 #undef PKV_DEF_QUANT
 #undef PKV_QUANT_WHOLE
 
-/* dst[i * dstride] = src[i * sstride] for i < d, elements of sz bytes (2, 4 or 8): K's
+/* dst[i * dstride] = src[i * sstride] for i < d, elements of sz bytes (1, 2, 4 or 8): K's
  * transposed rows.  Typed loops: a memcpy of a run-time size per element made appending a
  * 16,384-token prompt of bfloat16 K/V (8 heads, D=64) about 30 ms a layer. */
 static inline void pkv_strided_copy(char *dst, size_t dstride, const char *src, size_t sstride,
                                     int d, size_t sz) {
     switch (sz) {
+    case 1: {
+        uint8_t *o = (uint8_t *)dst;
+        const uint8_t *x = (const uint8_t *)src;
+        for (int i = 0; i < d; i++) o[(size_t)i * dstride] = x[(size_t)i * sstride];
+        break;
+    }
     case 2: {
         uint16_t *o = (uint16_t *)dst;
         const uint16_t *x = (const uint16_t *)src;
@@ -327,14 +333,16 @@ static inline void pkv_strided_copy(char *dst, size_t dstride, const char *src, 
         for (int i = 0; i < d; i++) o[(size_t)i * dstride] = x[(size_t)i * sstride];
         break;
     }
-    default: /* no other size reaches here (int8 rows are quantized, not copied); kept general */
+    default: /* no other size reaches here; kept general */
         for (int i = 0; i < d; i++)
             memcpy(dst + (size_t)i * dstride * sz, src + (size_t)i * sstride * sz, sz);
     }
 }
 
-/* values converted at a time by pkv_store_row (a stack buffer) */
+/* values converted at a time by pkv_store_row and pkv_load_row (a stack
+ * buffer): whole int8 groups */
 #define PKV_CHUNK 64
+_Static_assert(PKV_CHUNK % PKV_I8_GROUP == 0, "a chunk holds whole int8 groups");
 
 /* n 16-bit values (`type` PKV_BF16 or PKV_F16) -> float32, exactly: bfloat16
  * by SSE2's interleave with zeros, float16 with F16C's vcvtph2ps where the CPU
@@ -450,45 +458,65 @@ static inline void pkv_store_row(const pkv_geom *g, int compute, char *dst, floa
 }
 
 /* Read one stored head vector (strides as pkv_store_row) back into dst[d]
- * of type `compute` (float32, float64, bfloat16 or float16). */
+ * of type `compute` (float32, float64, bfloat16 or float16).  Narrower
+ * storage reads PKV_CHUNK values at a time: gathered into a contiguous
+ * buffer, made float32 (exact: a 16-bit value is a float32, an int8 value
+ * reads as q * scale computed in float, as the kernels compute it), then
+ * converted to the compute type by the row functions above.  float64
+ * arrays over int8 take q * scale in double, as the float64 kernels do. */
 static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const char *src,
                                 const float *scales, size_t vstride, size_t sstride) {
     const int d = g->d;
-    if ((int)g->store.dtype == compute && vstride == 1) {
+    const int store = (int)g->store.dtype;
+    if (store == compute && vstride == 1) {
         memcpy(dst, src, g->row_bytes);
         return;
     }
-    if ((int)g->store.dtype == compute && compute != PKV_I8) { /* transposed, same type */
+    if (store == compute && compute != PKV_I8) { /* transposed, same type */
         pkv_strided_copy(dst, 1, src, vstride, d, g->store.itemsize);
         return;
     }
-    for (int i = 0; i < d; i++) {
-        double x; /* every storage value is exact in double, and so is q * scale */
-        float xf = 0.0f;
-        const size_t at = (size_t)i * vstride;
-        switch (g->store.dtype) {
-        case PKV_F32: xf = ((const float *)src)[at]; x = xf; break;
-        case PKV_F64: x = ((const double *)src)[at]; break;
-        case PKV_BF16: xf = pkv_bf16_to_f32(((const uint16_t *)src)[at]); x = xf; break;
-        case PKV_F16: xf = pkv_f16_to_f32(((const uint16_t *)src)[at]); x = xf; break;
-        case PKV_I8: {
-            /* the kernels compute (T)q * (T)scale; so does this */
-            const float sc = scales[(size_t)(i / PKV_I8_GROUP) * sstride];
-            if (compute != PKV_F64) {
-                xf = (float)((const int8_t *)src)[at] * sc;
-                x = xf;
-            } else {
-                x = (double)((const int8_t *)src)[at] * (double)sc;
+    if (store == PKV_F64) { /* not reached: float64 storage holds float64 arrays only (CacheCore) */
+        for (int i = 0; i < d; i++) {
+            const float x = (float)((const double *)src)[(size_t)i * vstride];
+            if (compute == PKV_F32) ((float *)dst)[i] = x;
+            else if (compute == PKV_BF16) ((uint16_t *)dst)[i] = pkv_f32_to_bf16(x);
+            else if (compute == PKV_F16) ((uint16_t *)dst)[i] = pkv_f32_to_f16(x);
+        }
+        return;
+    }
+    for (int i0 = 0; i0 < d; i0 += PKV_CHUNK) {
+        const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
+        const size_t at = (size_t)i0 * vstride;
+        float f[PKV_CHUNK];
+        if (store == PKV_I8) {
+            int8_t q[PKV_CHUNK];
+            pkv_strided_copy((char *)q, 1, src + at, vstride, n, 1);
+            double *o = (double *)dst + i0;
+            for (int j0 = 0; j0 < n; j0 += PKV_I8_GROUP) { /* a group at a time (PKV_CHUNK is whole groups) */
+                const float sc = scales[(size_t)((i0 + j0) / PKV_I8_GROUP) * sstride];
+                const int j1 = n - j0 < PKV_I8_GROUP ? n : j0 + PKV_I8_GROUP;
+                if (compute == PKV_F64) /* as the float64 kernels compute it */
+                    for (int i = j0; i < j1; i++) o[i] = (double)q[i] * (double)sc;
+                else
+                    for (int i = j0; i < j1; i++) f[i] = (float)q[i] * sc;
             }
+            if (compute == PKV_F64) continue;
+        } else if (store == PKV_F32) {
+            pkv_strided_copy((char *)f, 1, src + at * 4, vstride, n, 4);
+        } else { /* bfloat16, float16 */
+            uint16_t t[PKV_CHUNK];
+            pkv_strided_copy((char *)t, 1, src + at * 2, vstride, n, 2);
+            pkv_16_to_f32_row(f, t, store, n);
+        }
+        switch (compute) { /* the chunk, exactly a float32, into the arrays' type */
+        case PKV_F32: memcpy(dst + (size_t)i0 * 4, f, (size_t)n * 4); break;
+        case PKV_F64:
+            for (int i = 0; i < n; i++) ((double *)dst)[i0 + i] = (double)f[i];
             break;
-        }
-        default: x = 0.0; break;
-        }
-        switch (compute) { /* x is exactly a float unless compute is float64 */
-        case PKV_F32: ((float *)dst)[i] = (float)x; break;
-        case PKV_BF16: ((uint16_t *)dst)[i] = pkv_f32_to_bf16((float)x); break;
-        case PKV_F16: ((uint16_t *)dst)[i] = pkv_f32_to_f16((float)x); break;
-        default: ((double *)dst)[i] = x; break;
+        case PKV_BF16: pkv_f32_to_bf16_row((uint16_t *)dst + i0, f, n); break;
+        case PKV_F16: pkv_f32_to_f16_row((uint16_t *)dst + i0, f, n); break;
+        default: break;
         }
     }
 }
