@@ -5,7 +5,8 @@
  * (PKV_LD_* of vocab_*.h) and fall back to the scalar readers here for tails.
  * Appends from float32 and float64 convert whole vectors where x86-64
  * allows (SSE2, and F16C for float16: the *_row functions and
- * pkv_quant32_*), giving the scalar rules' results bit for bit.
+ * pkv_quant32_*) and with NEON on aarch64, giving the scalar rules' results
+ * bit for bit.
  *
  * Rounding is to nearest, ties to even, everywhere:
  *   - float  -> bfloat16 / float16: on the bits (exact RNE);
@@ -33,6 +34,10 @@
 #define PKV_SSE2 1
 #else
 #define PKV_SSE2 0
+#endif
+/* Advanced SIMD is part of every AArch64 CPU: the NEON rows below need no dispatch either */
+#if PKV_ARM64
+#include <arm_neon.h>
 #endif
 
 static inline uint32_t pkv_f32_bits(float x) {
@@ -128,12 +133,17 @@ static inline void pkv_f64_to_f32_odd_row(float *dst, const double *src, int n) 
         }
         _mm_storeu_ps(dst + i, _mm_castsi128_ps(_mm_unpacklo_epi64(u[0], u[1])));
     }
+#elif PKV_ARM64
+    /* fcvtxn rounds to odd itself (an overflow gives FLT_MAX, as above) */
+    for (; i + 4 <= n; i += 4)
+        vst1q_f32(dst + i, vcvtx_high_f32_f64(vcvtx_f32_f64(vld1q_f64(src + i)), vld1q_f64(src + i + 2)));
 #endif
     for (; i < n; i++) dst[i] = pkv_f64_to_f32_odd(src[i]);
 }
 
 /* n float32 values -> bfloat16, the rule of pkv_f32_to_bf16, eight at a time
- * (two SSE2 vectors, packed into one) on x86-64 (baseline: no dispatch).
+ * (two SSE2 vectors, packed into one) on x86-64 (baseline: no dispatch), the
+ * same integer steps with NEON on aarch64.
  * Checked equal to the scalar rule over all 2^32 float32 inputs. */
 static inline void pkv_f32_to_bf16_row(uint16_t *dst, const float *src, int n) {
     int i = 0;
@@ -154,6 +164,20 @@ static inline void pkv_f32_to_bf16_row(uint16_t *dst, const float *src, int n) {
         }
         _mm_storeu_si128((__m128i *)(dst + i), _mm_add_epi16(_mm_packs_epi32(h[0], h[1]), bias16));
     }
+#elif PKV_ARM64
+    const uint32x4_t absm = vdupq_n_u32(0x7fffffff), inf = vdupq_n_u32(0x7f800000);
+    const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff), quiet = vdupq_n_u32(0x40);
+    for (; i + 8 <= n; i += 8) {
+        uint16x4_t h[2];
+        for (int j = 0; j < 2; j++) {
+            const uint32x4_t u = vld1q_u32((const uint32_t *)(src + i + 4 * j));
+            const uint32x4_t nan = vcgtq_u32(vandq_u32(u, absm), inf);
+            const uint32x4_t r =
+                vshrq_n_u32(vaddq_u32(vaddq_u32(u, half), vandq_u32(vshrq_n_u32(u, 16), one)), 16);
+            h[j] = vmovn_u32(vbslq_u32(nan, vorrq_u32(vshrq_n_u32(u, 16), quiet), r));
+        }
+        vst1q_u16(dst + i, vcombine_u16(h[0], h[1]));
+    }
 #endif
     for (; i < n; i++) dst[i] = pkv_f32_to_bf16(src[i]);
 }
@@ -162,8 +186,9 @@ static inline void pkv_f32_to_bf16_row(uint16_t *dst, const float *src, int n) {
  * F16C (every CPU of the AVX2 path), eight at a time with vcvtps2ph, whose
  * rounding (ties to even, subnormals, overflow to inf) is the scalar rule's;
  * a vector holding a NaN goes through the scalar rule, which makes every NaN
- * the same quiet NaN (vcvtps2ph would keep part of its payload).  Checked
- * equal to the scalar rule over all 2^32 float32 inputs.  A token [1, 8, 128]
+ * the same quiet NaN (vcvtps2ph would keep part of its payload); on aarch64
+ * fcvtn the same way.  Checked equal to the scalar rule over all 2^32
+ * float32 inputs (F16C).  A token [1, 8, 128]
  * of K and V into float16 (Zen 4 class, AVX2 path): 4.6-6.1 us with the
  * scalar rule, 1.1-1.9 us this way. */
 #if PKV_X86
@@ -185,6 +210,16 @@ static inline void pkv_f32_to_f16_row(uint16_t *dst, const float *src, int n) {
     int i = 0;
 #if PKV_X86
     if (pkv_x86_paths() & (1u << PKV_SIMD_AVX2)) i = pkv_f32_to_f16_f16c(dst, src, n);
+#elif PKV_ARM64
+    /* fcvtn, as vcvtps2ph: ties to even (the default mode), half subnormals kept (conversions
+     * ignore FPCR.FZ16), overflow to inf; vectors holding a NaN take the scalar rule */
+    for (; i + 8 <= n; i += 8) {
+        const float32x4_t x0 = vld1q_f32(src + i), x1 = vld1q_f32(src + i + 4);
+        if (vmaxvq_u32(vmvnq_u32(vandq_u32(vceqq_f32(x0, x0), vceqq_f32(x1, x1)))))
+            for (int j = i; j < i + 8; j++) dst[j] = pkv_f32_to_f16(src[j]);
+        else
+            vst1q_u16(dst + i, vreinterpretq_u16_f16(vcvt_high_f16_f32(vcvt_f16_f32(x0), x1)));
+    }
 #endif
     for (; i < n; i++) dst[i] = pkv_f32_to_f16(src[i]);
 }
@@ -193,13 +228,12 @@ static inline void pkv_f32_to_f16_row(uint16_t *dst, const float *src, int n) {
 
 /* int8 quantization of one group of n <= PKV_I8_GROUP values; returns the scale.
  * A whole group on x86-64 goes through pkv_quant32_* (SSE2, part of the
- * baseline: no dispatch), which computes the same values: the largest |x|
+ * baseline: no dispatch; NEON on aarch64), which computes the same values: the largest |x|
  * compared in the source type (exact), the product x * (1 / scale) in double,
- * and cvtpd2dq's rounding, which like rint's follows the current mode (to
- * nearest, ties to even, by default).  A token [1, 8, 128] of K and V into
+ * and cvtpd2dq's (frinti's) rounding, which like rint's follows the current
+ * mode (to nearest, ties to even, by default).  A token [1, 8, 128] of K and V into
  * int8 (Zen 4 class, AVX2 path): 7.6-11.4 us with the scalar loop, 2.8-4.4 us
  * this way (float32 storage: 1.4-1.7 us). */
-#if PKV_SSE2
 /* the group's scale from its largest |x| (as scalar code computes it) and the
  * reciprocal the values are multiplied by */
 static inline float pkv_quant_scale(double amax, double *inv) {
@@ -207,6 +241,7 @@ static inline float pkv_quant_scale(double amax, double *inv) {
     *inv = scale > 0 ? 1.0 / (double)scale : 0.0;
     return scale;
 }
+#if PKV_SSE2
 /* 4 products x * inv (two pairs of doubles) -> 4 int32 rounded by the mode */
 static inline __m128i pkv_quant_round4(__m128d lo, __m128d hi, __m128d inv) {
     return _mm_unpacklo_epi64(_mm_cvtpd_epi32(_mm_mul_pd(lo, inv)), _mm_cvtpd_epi32(_mm_mul_pd(hi, inv)));
@@ -265,6 +300,64 @@ static inline float pkv_quant32_f64(int8_t *dst, const double *src, int *ok) {
     pkv_quant_pack16(dst + 16, q[4], q[5], q[6], q[7]);
     return scale;
 }
+#elif PKV_ARM64
+/* the same steps with NEON: the product in double, frinti (the current mode, as rint) */
+static inline int32x4_t pkv_quant_round4(float64x2_t lo, float64x2_t hi, float64x2_t inv) {
+    const int64x2_t a = vcvtq_s64_f64(vrndiq_f64(vmulq_f64(lo, inv)));
+    const int64x2_t b = vcvtq_s64_f64(vrndiq_f64(vmulq_f64(hi, inv)));
+    return vcombine_s32(vmovn_s64(a), vmovn_s64(b));
+}
+static inline void pkv_quant_pack16(int8_t *dst, int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d) {
+    const int16x8_t lo = vdupq_n_s16(-127), hi = vdupq_n_s16(127);
+    const int16x8_t ab = vminq_s16(vmaxq_s16(vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)), lo), hi);
+    const int16x8_t cd = vminq_s16(vmaxq_s16(vcombine_s16(vqmovn_s32(c), vqmovn_s32(d)), lo), hi);
+    vst1q_s8(dst, vcombine_s8(vqmovn_s16(ab), vqmovn_s16(cd)));
+}
+static inline float pkv_quant32_f32(int8_t *dst, const float *src, int *ok) {
+    const float32x4_t big = vdupq_n_f32(3.4028234663852886e38f);
+    float32x4_t x[8], m = vdupq_n_f32(0.0f);
+    uint32x4_t good = vdupq_n_u32(~0u);
+    for (int i = 0; i < 8; i++) {
+        x[i] = vld1q_f32(src + 4 * i);
+        const float32x4_t a = vabsq_f32(x[i]);
+        good = vandq_u32(good, vcleq_f32(a, big)); /* false for NaN and inf */
+        m = vmaxq_f32(m, a);
+    }
+    *ok = vminvq_u32(good) != 0;
+    if (!*ok) return NAN;
+    double invs;
+    const float scale = pkv_quant_scale((double)vmaxvq_f32(m), &invs);
+    const float64x2_t inv = vdupq_n_f64(invs);
+    int32x4_t q[8];
+    for (int i = 0; i < 8; i++)
+        q[i] = pkv_quant_round4(vcvt_f64_f32(vget_low_f32(x[i])), vcvt_high_f64_f32(x[i]), inv);
+    pkv_quant_pack16(dst, q[0], q[1], q[2], q[3]);
+    pkv_quant_pack16(dst + 16, q[4], q[5], q[6], q[7]);
+    return scale;
+}
+static inline float pkv_quant32_f64(int8_t *dst, const double *src, int *ok) {
+    const float64x2_t big = vdupq_n_f64(1.7976931348623157e308);
+    float64x2_t m = vdupq_n_f64(0.0);
+    uint64x2_t good = vdupq_n_u64(~0ull);
+    for (int i = 0; i < 32; i += 2) {
+        const float64x2_t a = vabsq_f64(vld1q_f64(src + i));
+        good = vandq_u64(good, vcleq_f64(a, big));
+        m = vmaxq_f64(m, a);
+    }
+    *ok = (vgetq_lane_u64(good, 0) & vgetq_lane_u64(good, 1)) != 0;
+    if (!*ok) return NAN;
+    double invs;
+    const float scale = pkv_quant_scale(vmaxvq_f64(m), &invs);
+    const float64x2_t inv = vdupq_n_f64(invs);
+    int32x4_t q[8];
+    for (int i = 0; i < 8; i++)
+        q[i] = pkv_quant_round4(vld1q_f64(src + 4 * i), vld1q_f64(src + 4 * i + 2), inv);
+    pkv_quant_pack16(dst, q[0], q[1], q[2], q[3]);
+    pkv_quant_pack16(dst + 16, q[4], q[5], q[6], q[7]);
+    return scale;
+}
+#endif
+#if PKV_SSE2 || PKV_ARM64
 #define PKV_QUANT_WHOLE(tag, dst, src, n)                                            \
     if ((n) == 32 && PKV_I8_GROUP == 32) {                                           \
         int ok_;                                                                     \
@@ -345,8 +438,8 @@ static inline void pkv_strided_copy(char *dst, size_t dstride, const char *src, 
 _Static_assert(PKV_CHUNK % PKV_I8_GROUP == 0, "a chunk holds whole int8 groups");
 
 /* n 16-bit values (`type` PKV_BF16 or PKV_F16) -> float32, exactly: bfloat16
- * by SSE2's interleave with zeros, float16 with F16C's vcvtph2ps where the CPU
- * has it, except a vector holding a NaN (vcvtph2ps quiets a signaling NaN; the
+ * by SSE2's interleave with zeros (NEON: a widening shift), float16 with
+ * F16C's vcvtph2ps where the CPU has it (NEON: fcvtl), except a vector holding a NaN (vcvtph2ps quiets a signaling NaN; the
  * scalar rule keeps its bits).  Checked equal to the scalar rules over all
  * 2^16 inputs (tests/c). */
 #if PKV_X86
@@ -375,12 +468,31 @@ static inline void pkv_16_to_f32_row(float *dst, const uint16_t *src, int type, 
             _mm_storeu_ps(dst + i, _mm_castsi128_ps(_mm_unpacklo_epi16(z, h)));
             _mm_storeu_ps(dst + i + 4, _mm_castsi128_ps(_mm_unpackhi_epi16(z, h)));
         }
+#elif PKV_ARM64
+        for (; i + 8 <= n; i += 8) {
+            const uint16x8_t h = vld1q_u16(src + i);
+            vst1q_u32((uint32_t *)(dst + i), vshll_n_u16(vget_low_u16(h), 16));
+            vst1q_u32((uint32_t *)(dst + i + 4), vshll_high_n_u16(h, 16));
+        }
 #endif
         for (; i < n; i++) dst[i] = pkv_bf16_to_f32(src[i]);
         return;
     }
 #if PKV_X86
     if (pkv_x86_paths() & (1u << PKV_SIMD_AVX2)) i = pkv_f16_to_f32_f16c(dst, src, n);
+#elif PKV_ARM64
+    /* fcvtl; as with vcvtph2ps, a vector holding a NaN takes the scalar rule (fcvtl quiets a
+     * signaling NaN) */
+    for (; i + 8 <= n; i += 8) {
+        const uint16x8_t h = vld1q_u16(src + i);
+        if (vmaxvq_u16(vcgtq_u16(vandq_u16(h, vdupq_n_u16(0x7fff)), vdupq_n_u16(0x7c00))))
+            for (int j = i; j < i + 8; j++) dst[j] = pkv_f16_to_f32(src[j]);
+        else {
+            const float16x8_t x = vreinterpretq_f16_u16(h);
+            vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(x)));
+            vst1q_f32(dst + i + 4, vcvt_high_f32_f16(x));
+        }
+    }
 #endif
     for (; i < n; i++) dst[i] = pkv_f16_to_f32(src[i]);
 }
