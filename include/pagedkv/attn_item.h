@@ -107,8 +107,10 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     } while (0)
     const int64_t nunits = (int64_t)ntiles * 2 * nh;
     const int stream = PKV_PREFETCH_UNITS && nqh < PKV_PF_ROWS_MAX;
-    if (stream && nunits > 0) { /* the first unit, at once */
-        PKV_UNIT_SLICES(0, &pfs);
+    /* units the stream runs ahead: where it takes every unit (pfk), the CPU's choice */
+    const int ahead = pfk ? pkv_pf_ahead() : 1;
+    for (int64_t u0 = 0; stream && u0 < ahead && u0 < nunits; u0++) { /* the first ones, at once */
+        PKV_UNIT_SLICES(u0, &pfs);
         pkv_pfs_finish(&pfs);
     }
     if (stream) reverse = 0; /* the stream's units run forward */
@@ -154,16 +156,16 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
                 pkv_pfs *ps = NULL;
                 /* software prefetch where the hardware prefetcher does not follow:
-                 * the next unit while a V unit is read (P.V walks each V slice in
+                 * the next unit (`ahead` units on) while a V unit is read (P.V walks each V slice in
                  * passes of part of a row), and the jump to the next tile's blocks.
                  * K units read K^T rows front to back, which the hardware streamer
                  * follows; on AMD prefetching them too measured no faster out of
                  * DRAM and 15-20% slower in cache, on Intel with the stream into L2
                  * it takes f32 decode out of DRAM from 88-92% to 97% of the pattern
                  * read (pfk; benchmarks/c/decode_ceiling.c, prefetch.h). */
-                if (stream && unit + 1 < nunits &&
+                if (stream && unit + ahead < nunits &&
                     (ph == 1 || pfk || (unit + 1) % (2 * nh) == 0)) {
-                    PKV_UNIT_SLICES(unit + 1, &pfs);
+                    PKV_UNIT_SLICES(unit + ahead, &pfs);
                     ps = &pfs;
                 }
                 for (int u = 0; u < cnt; u++) {

@@ -3,7 +3,8 @@
  * A work item of decode reads its blocks a tile at a time in units: the K
  * slices (one head of one block, hstride bytes) of the tile's blocks for
  * head 0, 1, ..., then their V slices head after head, then the next tile.
- * While the kernel works on a unit it can prefetch the next one, a few lines
+ * While the kernel works on a unit it can prefetch the next one (or the one
+ * after it: pkv_pf_ahead), a few lines
  * per step of its inner loop (the next tile's blocks may be anywhere in the
  * pool, where no hardware prefetcher looks), so the requests are spread over
  * the unit's arithmetic instead of issued in a burst.  attn_item.h says which
@@ -74,6 +75,35 @@ static inline int pkv_pf_into_l2(void) {
         const int vendor = pkv_cpu_vendor(&family);
         v = vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family < 0x1A);
         __atomic_store_n(&l2, v, __ATOMIC_RELAXED);
+    }
+    return v;
+#endif
+}
+
+/* Units the stream runs ahead of the one being read where it takes every
+ * unit (decode calls that prefetch their K units too, attn_args.h): two on
+ * AMD family 0x19, one elsewhere (the units ahead are issued at once when an
+ * item starts).  Measured on the Zen 4 class (family 0x19 model 0x11, AVX2
+ * path, into L2 with the K units), four builds in one process called in turn
+ * over one pool (f32, Hq=32 Hkv=8 D=128, medians of 9-15 calls, twice):
+ * one unit ahead against two, B=8 L=2048 1 thread 8.7 / 8.9 -> 8.1 / 8.0 ms,
+ * 2 threads 6.2 / 6.5 -> 5.5 / 5.3 ms; B=1 L=8192 1 thread 4.4 / 3.9 ->
+ * 3.9 / 3.8 ms, 2 threads 3.0 / 3.4 -> 2.5 / 2.8 ms; f64 B=8 L=2048 19.4 /
+ * 21.2 -> 17.9 / 17.6 ms; three and four units ahead no better than two; B=1
+ * L=512 (in cache) the same.  On the AMD Zen 5 class (into L1) two units
+ * ahead were slower (55-59% against 62-66% of the pattern read, above); the
+ * Intel Xeon reached 97% with one; the Zen 3 class (also family 0x19) was
+ * not measured.  -DPKV_PF_DIST=N forces it (measurements). */
+static inline int pkv_pf_ahead(void) {
+#ifdef PKV_PF_DIST
+    return PKV_PF_DIST;
+#else
+    static int ahead = 0; /* cpuid traps to the hypervisor in a VM: asked once */
+    int v = __atomic_load_n(&ahead, __ATOMIC_RELAXED);
+    if (v == 0) {
+        int family;
+        v = pkv_cpu_vendor(&family) == PKV_CPU_AMD && family == 0x19 ? 2 : 1;
+        __atomic_store_n(&ahead, v, __ATOMIC_RELAXED);
     }
     return v;
 #endif

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
 #   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI
-#             where this CPU has them; then again with the prefetch stream forced into L1
-#             and into L2
+#             where this CPU has them; then again with the prefetch stream forced into L2
+#             two units ahead and into L1 one unit ahead
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
 #             qemu-aarch64-static: scalar, NEON and NEON + dot product, then again as
 #             a Cortex-A53, which lacks the dot product (skipped, saying so, when the
@@ -44,11 +44,14 @@ fi
 echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"
 "$out/test_kernels" "${require[@]}" "$@"
-# the prefetch stream goes into L1 or L2 by CPU (prefetch.h): run each choice forced, so the
-# one this CPU does not take is tested too (the other repeats the run above)
+# the prefetch stream goes into L1 or L2, one or two units ahead, by CPU (prefetch.h): run
+# forced choices, so those this CPU does not take are tested too: into L2 two units ahead, into
+# L1 one unit ahead
 for loc in 2 3; do
-    echo "== native, the prefetch stream forced into L$((4 - loc)) (-DPKV_PF_LOCALITY=$loc)"
-    build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc
+    ahead=$((4 - loc))
+    echo "== native, the prefetch stream forced into L$((4 - loc)), $ahead unit(s) ahead" \
+         "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead)"
+    build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead
     "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
 done
 
