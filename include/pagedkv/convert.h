@@ -439,8 +439,9 @@ _Static_assert(PKV_CHUNK % PKV_I8_GROUP == 0, "a chunk holds whole int8 groups")
 
 /* n 16-bit values (`type` PKV_BF16 or PKV_F16) -> float32, exactly: bfloat16
  * by SSE2's interleave with zeros (NEON: a widening shift), float16 with
- * F16C's vcvtph2ps where the CPU has it (NEON: fcvtl), except a vector holding a NaN (vcvtph2ps quiets a signaling NaN; the
- * scalar rule keeps its bits).  Checked equal to the scalar rules over all
+ * F16C's vcvtph2ps where the CPU has it (NEON: fcvtl), except a vector
+ * holding a NaN (vcvtph2ps quiets a signaling NaN; the scalar rule keeps its
+ * bits).  Checked equal to the scalar rules over all
  * 2^16 inputs (tests/c). */
 #if PKV_X86
 PKV_TARGET_BEGIN("avx,f16c")
@@ -604,12 +605,11 @@ static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const
         if (store == PKV_I8) {
             int8_t q[PKV_CHUNK];
             pkv_strided_copy((char *)q, 1, src + at, vstride, n, 1);
-            double *o = (double *)dst + i0;
             for (int j0 = 0; j0 < n; j0 += PKV_I8_GROUP) { /* a group at a time (PKV_CHUNK is whole groups) */
                 const float sc = scales[(size_t)((i0 + j0) / PKV_I8_GROUP) * sstride];
                 const int j1 = n - j0 < PKV_I8_GROUP ? n : j0 + PKV_I8_GROUP;
                 if (compute == PKV_F64) /* as the float64 kernels compute it */
-                    for (int i = j0; i < j1; i++) o[i] = (double)q[i] * (double)sc;
+                    for (int i = j0; i < j1; i++) ((double *)dst)[i0 + i] = (double)q[i] * (double)sc;
                 else
                     for (int i = j0; i < j1; i++) f[i] = (float)q[i] * sc;
             }
