@@ -589,15 +589,6 @@ static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const
         pkv_strided_copy(dst, 1, src, vstride, d, g->store.itemsize);
         return;
     }
-    if (store == PKV_F64) { /* not reached: float64 storage holds float64 arrays only (CacheCore) */
-        for (int i = 0; i < d; i++) {
-            const float x = (float)((const double *)src)[(size_t)i * vstride];
-            if (compute == PKV_F32) ((float *)dst)[i] = x;
-            else if (compute == PKV_BF16) ((uint16_t *)dst)[i] = pkv_f32_to_bf16(x);
-            else if (compute == PKV_F16) ((uint16_t *)dst)[i] = pkv_f32_to_f16(x);
-        }
-        return;
-    }
     for (int i0 = 0; i0 < d; i0 += PKV_CHUNK) {
         const int n = d - i0 < PKV_CHUNK ? d - i0 : PKV_CHUNK;
         const size_t at = (size_t)i0 * vstride;
@@ -616,6 +607,8 @@ static inline void pkv_load_row(const pkv_geom *g, int compute, char *dst, const
             if (compute == PKV_F64) continue;
         } else if (store == PKV_F32) {
             pkv_strided_copy((char *)f, 1, src + at * 4, vstride, n, 4);
+        } else if (store == PKV_F64) { /* (float64 storage holds float64 arrays only: CacheCore) */
+            for (int i = 0; i < n; i++) f[i] = (float)((const double *)src)[at + (size_t)i * vstride];
         } else { /* bfloat16, float16 */
             uint16_t t[PKV_CHUNK];
             pkv_strided_copy((char *)t, 1, src + at * 2, vstride, n, 2);

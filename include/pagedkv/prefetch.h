@@ -64,19 +64,26 @@ typedef struct {
  *   (family 0x19, 512 KiB L2) was measured only into L1 (60-72% after the
  *   stream took the reading's pace).
  * -DPKV_PF_LOCALITY=2 or 3 forces one (measurements). */
+/* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
+static inline int pkv_pf_cpu(int *family) {
+    static int vf = -1; /* vendor << 16 | family */
+    int v = __atomic_load_n(&vf, __ATOMIC_RELAXED);
+    if (v < 0) {
+        int f;
+        v = pkv_cpu_vendor(&f) << 16 | (f & 0xffff);
+        __atomic_store_n(&vf, v, __ATOMIC_RELAXED);
+    }
+    *family = v & 0xffff;
+    return v >> 16;
+}
+
 static inline int pkv_pf_into_l2(void) {
 #ifdef PKV_PF_LOCALITY
     return PKV_PF_LOCALITY == 2;
 #else
-    static int l2 = -1; /* cpuid traps to the hypervisor in a VM: asked once */
-    int v = __atomic_load_n(&l2, __ATOMIC_RELAXED);
-    if (v < 0) {
-        int family;
-        const int vendor = pkv_cpu_vendor(&family);
-        v = vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family < 0x1A);
-        __atomic_store_n(&l2, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    int family;
+    const int vendor = pkv_pf_cpu(&family);
+    return vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family < 0x1A);
 #endif
 }
 
@@ -98,14 +105,8 @@ static inline int pkv_pf_ahead(void) {
 #ifdef PKV_PF_DIST
     return PKV_PF_DIST;
 #else
-    static int ahead = 0; /* cpuid traps to the hypervisor in a VM: asked once */
-    int v = __atomic_load_n(&ahead, __ATOMIC_RELAXED);
-    if (v == 0) {
-        int family;
-        v = pkv_cpu_vendor(&family) == PKV_CPU_AMD && family == 0x19 ? 2 : 1;
-        __atomic_store_n(&ahead, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    int family;
+    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19 ? 2 : 1;
 #endif
 }
 
