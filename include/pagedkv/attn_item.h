@@ -156,8 +156,9 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 const int64_t unit = ((int64_t)t * 2 + ph) * nh + hh;
                 pkv_pfs *ps = NULL;
                 /* software prefetch where the hardware prefetcher does not follow:
-                 * the next unit (`ahead` units on) while a V unit is read (P.V walks each V slice in
-                 * passes of part of a row), and the jump to the next tile's blocks.
+                 * the next unit (`ahead` units on) while a V unit is read (P.V
+                 * walks each V slice in passes of part of a row), and the jump to
+                 * the next tile's blocks.
                  * K units read K^T rows front to back, which the hardware streamer
                  * follows; on AMD prefetching them too measured no faster out of
                  * DRAM and 15-20% slower in cache, on Intel with the stream into L2

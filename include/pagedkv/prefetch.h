@@ -42,6 +42,19 @@ typedef struct {
     int l2;            /* 1: prefetch into L2 (prefetcht1), 0: into L1 (prefetcht0) */
 } pkv_pfs;
 
+/* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
+static inline int pkv_pf_cpu(int *family) {
+    static int vf = -1; /* vendor << 16 | family */
+    int v = __atomic_load_n(&vf, __ATOMIC_RELAXED);
+    if (v < 0) {
+        int f;
+        v = pkv_cpu_vendor(&f) << 16 | (f & 0xffff);
+        __atomic_store_n(&vf, v, __ATOMIC_RELAXED);
+    }
+    *family = v & 0xffff;
+    return v >> 16;
+}
+
 /* Where the stream prefetches, chosen once per process from the CPU
  * (pkv_cpu_vendor): into L2 (prefetcht1; decode calls of
  * PKV_PF_K_MIN_BYTES or more then prefetch their K units too, attn_args.h)
@@ -64,19 +77,6 @@ typedef struct {
  *   (family 0x19, 512 KiB L2) was measured only into L1 (60-72% after the
  *   stream took the reading's pace).
  * -DPKV_PF_LOCALITY=2 or 3 forces one (measurements). */
-/* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
-static inline int pkv_pf_cpu(int *family) {
-    static int vf = -1; /* vendor << 16 | family */
-    int v = __atomic_load_n(&vf, __ATOMIC_RELAXED);
-    if (v < 0) {
-        int f;
-        v = pkv_cpu_vendor(&f) << 16 | (f & 0xffff);
-        __atomic_store_n(&vf, v, __ATOMIC_RELAXED);
-    }
-    *family = v & 0xffff;
-    return v >> 16;
-}
-
 static inline int pkv_pf_into_l2(void) {
 #ifdef PKV_PF_LOCALITY
     return PKV_PF_LOCALITY == 2;
