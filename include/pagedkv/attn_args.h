@@ -160,23 +160,33 @@ typedef struct {
  * least this many tokens. */
 #define PKV_SPLIT_MIN 256
 
-/* Key chunks per sequence for `base` decode work items on `nthreads`
- * threads (attn_calls.h): PKV_DECODE_ITEMS_MIN items per thread where the
- * keys allow it, at most `slots` partial states in all, at least
- * PKV_SPLIT_MIN keys of the shortest sequence (`held_min` visible keys) per
- * chunk; 1 is no split.  Two items per thread rather than one let the
- * dynamic schedule even out a thread that falls behind (a busy core, a
- * descheduled vCPU): on a 16-vCPU Intel Xeon, decode B=8 L=2048 on 16
- * threads (8 sequences: 16 items before, 32 after) took 0.96 / 0.84 ms
- * against 1.25 / 1.07 ms in f32 and 2.12 / 1.94 against 2.59 / 2.85 ms in
- * f64; on 2 threads (AMD EPYC) B=1 L=8192 2.4-3.1 against 2.6-4.6 ms, other
- * shapes the same.  -DPKV_DECODE_ITEMS_MIN=N sets it (measurements). */
-#ifndef PKV_DECODE_ITEMS_MIN
-#define PKV_DECODE_ITEMS_MIN 2
+/* Decode work items wanted per thread: two on 8 threads or more, so that
+ * the dynamic schedule can even out a thread that falls behind (a busy core,
+ * a descheduled vCPU); one below that.  On a 16-vCPU Intel Xeon, decode B=8
+ * L=2048 on 16 threads (8 sequences: 16 items with one a thread, 32 with
+ * two) took 0.96 / 0.84 ms with two against 1.25 / 1.07 ms in f32, 2.12 /
+ * 1.94 against 2.59 / 2.85 ms in f64, 8 threads within that host's noise;
+ * on the 2-vCPU AMD EPYC (Zen 4 class) two a thread made 2-thread calls on
+ * one or two sequences 1-5% slower (the extra chunks restart the prefetch
+ * stream and add partial states to merge).  -DPKV_DECODE_ITEMS_MIN=N sets
+ * it for every thread count (tests, measurements). */
+static inline int pkv_decode_items_per_thread(int nthreads) {
+#ifdef PKV_DECODE_ITEMS_MIN
+    (void)nthreads;
+    return PKV_DECODE_ITEMS_MIN;
+#else
+    return nthreads >= 8 ? 2 : 1;
 #endif
+}
+
+/* Key chunks per sequence for `base` decode work items on `nthreads`
+ * threads (attn_calls.h): pkv_decode_items_per_thread items a thread where
+ * the keys allow it, at most `slots` partial states in all, at least
+ * PKV_SPLIT_MIN keys of the shortest sequence (`held_min` visible keys) per
+ * chunk; 1 is no split, and one thread never splits. */
 static inline int64_t pkv_decode_chunks(int64_t base, int nthreads, int64_t slots,
                                         int64_t held_min) {
-    const int64_t want = (int64_t)nthreads * PKV_DECODE_ITEMS_MIN;
+    const int64_t want = (int64_t)nthreads * pkv_decode_items_per_thread(nthreads);
     if (nthreads <= 1 || base >= want || slots <= 0) return 1;
     int64_t n = (want + base - 1) / base;
     if (n * base > slots) n = slots / base;

@@ -50,11 +50,11 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
 /* Batched decode: one query token per sequence, at its newest held rank.
  *
  * Work items are (sequence, head group, member chunk, key chunk).  A head
- * group is as many KV heads as fit PKV_MAX_ROWS query rows.  With fewer than
- * two items a thread (few sequences), each sequence's keys are split into chunks
- * whose partial softmax states (m, l, acc) are merged by log-sum-exp
- * afterwards; only where the keys are too few for that are the head groups
- * split too.  Key chunks first: an item then reads the whole K and V planes
+ * group is as many KV heads as fit PKV_MAX_ROWS query rows.  With fewer items
+ * than threads (on 8 or more, than two a thread; few sequences), each
+ * sequence's keys are split into chunks whose partial softmax states (m, l,
+ * acc) are merged by log-sum-exp afterwards; only where the keys are too few
+ * for that are the head groups split too.  Key chunks first: an item then reads the whole K and V planes
  * of its blocks (one contiguous run each per block and layer), where a head
  * split gives each item a part of every plane.  Measured (AMD EPYC Zen 3,
  * AVX2, 2 threads, B=1, Hq=16 Hkv=4 D=64, a 4-layer pool, inside a model's
@@ -74,7 +74,7 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     int64_t base, nchunk;
     for (;;) {
         base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
-        if (base < (int64_t)nthreads * PKV_DECODE_ITEMS_MIN && held_min < 0) {
+        if (base < (int64_t)nthreads * pkv_decode_items_per_thread(nthreads) && held_min < 0) {
             held_min = INT64_MAX;
             for (int64_t b = 0; b < a->nseq; b++) {
                 const int64_t h = pkv_decode_visible(&a->segs[b], a->window);

@@ -126,15 +126,15 @@ def test_a_call_from_inside_a_call_on_the_same_thread_raises_and_changes_nothing
     cache.free(other)                          # and the cache is usable afterwards
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_set_num_threads_gives_the_same_result(threads, dtype):
     rng = np.random.default_rng(9)
     cache = pagedkv.PagedKVCache(num_blocks=300, block_size=16, num_kv_heads=1, head_dim=128,
                                  dtype=dtype)
     sid = cache.add_sequence()
-    k = rng.standard_normal((4000, 1, 128)).astype(dtype)
-    v = rng.standard_normal((4000, 1, 128)).astype(dtype)
+    k = rng.standard_normal((4096, 1, 128)).astype(dtype)
+    v = rng.standard_normal((4096, 1, 128)).astype(dtype)
     cache.append(sid, k, v)
     q = rng.standard_normal((1, 4, 128)).astype(dtype)
     before = pagedkv.get_num_threads()
@@ -148,9 +148,9 @@ def test_set_num_threads_gives_the_same_result(threads, dtype):
         pagedkv.set_num_threads(0)
     assert pagedkv.get_num_threads() == before
     if pagedkv.has_openmp():
-        # one sequence, one KV head: the only parallelism is split-K over the keys, two
-        # chunks per thread (4000 keys: 256 or more per chunk); one thread does not split
-        assert plan == (threads, 1, 2 * threads if threads > 1 else 1)
+        # one sequence, one KV head: the only parallelism is split-K over the keys, a chunk
+        # per thread, two on 8 threads or more (4096 keys: 256 or more per chunk)
+        assert plan == (threads, 1, 2 * threads if threads >= 8 else threads)
     exp = ref_attention(q, k, v, 1 / np.sqrt(128), k.shape[0] - 1)
     tol = 1e-5 if dtype == "float32" else 1e-12
     np.testing.assert_allclose(out, exp, rtol=tol, atol=tol * np.abs(v).max())
@@ -159,7 +159,7 @@ def test_set_num_threads_gives_the_same_result(threads, dtype):
 
 @pytest.mark.skipif(not pagedkv.has_openmp(), reason="a build without OpenMP runs one thread")
 @pytest.mark.parametrize("length, plan", [
-    (2048, (2, 8, 4)),   # keys enough for two chunks a thread: all 8 KV heads in each item
+    (2048, (2, 8, 2)),   # keys enough for two chunks: all 8 KV heads in each item, split-K
     (400, (2, 4, 1)),    # too few keys to split (256 per chunk): the head group splits instead
 ])
 def test_decode_plan_splits_keys_before_heads(length, plan):
