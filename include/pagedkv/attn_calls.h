@@ -56,9 +56,10 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
  * acc) are merged by log-sum-exp afterwards; only where the keys are too few
  * for that are the head groups split too.  Key chunks first: an item then
  * reads the whole K and V planes of its blocks (one contiguous run each per
- * block and layer), where a head split gives each item a part of every plane.  Measured (AMD EPYC Zen 3,
- * AVX2, 2 threads, B=1, Hq=16 Hkv=4 D=64, a 4-layer pool, inside a model's
- * decode): attention 15-20% faster than heads first. */
+ * block and layer), where a head split gives each item a part of every
+ * plane.  Measured (AMD EPYC Zen 3, AVX2, 2 threads, B=1, Hq=16 Hkv=4 D=64, a
+ * 4-layer pool, inside a model's decode): attention 15-20% faster than heads
+ * first. */
 static void PKV_KFN(decode)(const pkv_attn_args *a) {
     const int gsz = a->hq / a->hkv, d = a->d;
     double work = 0.0; /* multiply-adds */
