@@ -160,34 +160,34 @@ typedef struct {
  * least this many tokens. */
 #define PKV_SPLIT_MIN 256
 
-/* Decode work items wanted per thread: two on 8 threads or more, so that
- * the dynamic schedule can even out a thread that falls behind (a busy core,
- * a descheduled vCPU); one below that.  On a 16-vCPU Intel Xeon, decode B=8
+/* Decode work items wanted on `nthreads` threads: two a thread on 8 threads
+ * or more, so that the dynamic schedule can even out a thread that falls
+ * behind (a busy core, a descheduled vCPU); one a thread below that, and one
+ * in all on one thread (no split).  On a 16-vCPU Intel Xeon, decode B=8
  * L=2048 on 16 threads (8 sequences: 16 items with one a thread, 32 with
  * two) took 0.96 / 0.84 ms with two against 1.25 / 1.07 ms in f32, 2.12 /
  * 1.94 against 2.59 / 2.85 ms in f64, 8 threads within that host's noise;
  * on the 2-vCPU AMD EPYC (Zen 4 class) two a thread made 2-thread calls on
  * one or two sequences 1-5% slower (the extra chunks restart the prefetch
  * stream and add partial states to merge).  -DPKV_DECODE_ITEMS_MIN=N sets
- * it for every thread count (tests, measurements). */
-static inline int pkv_decode_items_per_thread(int nthreads) {
+ * the items a thread for every thread count (tests, measurements). */
+static inline int64_t pkv_decode_items_wanted(int nthreads) {
+    if (nthreads <= 1) return 1;
 #ifdef PKV_DECODE_ITEMS_MIN
-    (void)nthreads;
-    return PKV_DECODE_ITEMS_MIN;
+    return (int64_t)nthreads * PKV_DECODE_ITEMS_MIN;
 #else
-    return nthreads >= 8 ? 2 : 1;
+    return (int64_t)nthreads * (nthreads >= 8 ? 2 : 1);
 #endif
 }
 
-/* Key chunks per sequence for `base` decode work items on `nthreads`
- * threads (attn_calls.h): pkv_decode_items_per_thread items a thread where
+/* Key chunks per sequence for `base` decode work items where `want` are
+ * wanted (pkv_decode_items_wanted; attn_calls.h): enough for `want` where
  * the keys allow it, at most `slots` partial states in all, at least
  * PKV_SPLIT_MIN keys of the shortest sequence (`held_min` visible keys) per
- * chunk; 1 is no split, and one thread never splits. */
-static inline int64_t pkv_decode_chunks(int64_t base, int nthreads, int64_t slots,
+ * chunk; 1 is no split. */
+static inline int64_t pkv_decode_chunks(int64_t base, int64_t want, int64_t slots,
                                         int64_t held_min) {
-    const int64_t want = (int64_t)nthreads * pkv_decode_items_per_thread(nthreads);
-    if (nthreads <= 1 || base >= want || slots <= 0) return 1;
+    if (base >= want || slots <= 0) return 1;
     int64_t n = (want + base - 1) / base;
     if (n * base > slots) n = slots / base;
     if (n > held_min / PKV_SPLIT_MIN) n = held_min / PKV_SPLIT_MIN;

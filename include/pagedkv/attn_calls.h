@@ -72,17 +72,18 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     int hpg = PKV_MAX_ROWS / ng_max;
     if (hpg > a->hkv) hpg = a->hkv;
     int64_t held_min = -1; /* the shortest visible keys, read once a split is in question */
+    const int64_t want = pkv_decode_items_wanted(nthreads);
     int64_t base, nchunk;
     for (;;) {
         base = a->nseq * ((a->hkv + hpg - 1) / hpg) * ngc;
-        if (base < (int64_t)nthreads * pkv_decode_items_per_thread(nthreads) && held_min < 0) {
+        if (base < want && held_min < 0) {
             held_min = INT64_MAX;
             for (int64_t b = 0; b < a->nseq; b++) {
                 const int64_t h = pkv_decode_visible(&a->segs[b], a->window);
                 if (h < held_min) held_min = h;
             }
         }
-        nchunk = pkv_decode_chunks(base, nthreads, a->partial_slots, held_min);
+        nchunk = pkv_decode_chunks(base, want, a->partial_slots, held_min);
         if (hpg == 1 || base * nchunk >= nthreads) break;
         hpg = (hpg + 1) / 2; /* keys too few to split: smaller head groups too */
     }
