@@ -27,6 +27,19 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def switch_attention(model) -> None:
+    """Register the "pagedkv" attention and switch ``model`` to it; NotImplementedError where
+    transformers declines the switch (it only logs a warning for a model whose attention
+    code it cannot swap: pools.check_attention refuses those first)."""
+    register()
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise NotImplementedError(
+            f"transformers did not switch {type(model).__name__} to the {ATTENTION_NAME!r} "
+            f"attention (it uses {model.config._attn_implementation!r})")
+
+
 def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
     """The "pagedkv" attention function (``transformers.AttentionInterface``).

@@ -68,7 +68,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from pagedkv.cache import PagedKVCache
 # the scheduler's parts: the layer groups, the attention, the linear layers of small steps,
 # pools (sizing), the packed step, per-request sampling
-from pagedkv.integrations.attention import ATTENTION_NAME, register
+from pagedkv.integrations.attention import switch_attention
 from pagedkv.integrations.layers import group_layers, layer_windows, sliding_policy
 from pagedkv.integrations.linear import RowLinears
 from pagedkv.integrations.pools import (DEFAULT_TOKENS_PER_SEQ, HALF_DTYPES, Group, group_blocks,
@@ -222,9 +222,7 @@ class ContinuousBatcher:
         self.vocab_size = int(config.vocab_size)
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_seqs = int(max_seqs)
-        register()
-        if model.config._attn_implementation != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        switch_attention(model)
         # a 4-D mask is taken as prepared: transformers builds none (the plan is the mask)
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool)
         self._requests: Dict[int, _Request] = {}

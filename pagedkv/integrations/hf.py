@@ -81,7 +81,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from pagedkv._core import simd_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.integrations.attention import (ATTENTION_NAME, LINK, pagedkv_attention,  # noqa: F401
-                                            register)
+                                            register, switch_attention)
 from pagedkv.integrations.batching import ContinuousBatcher
 from pagedkv.integrations.layers import (FULL, group_layers, layer_groups, layer_windows,
                                          sliding_policy)
@@ -146,7 +146,7 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         raise ValueError(f"prompt_attention must be 'auto', 'torch' or 'pagedkv', "
                          f"got {prompt_attention!r}")
     config = model.config.get_text_config(decoder=True)
-    geometry = model_geometry(model)  # CPU, dtype and encoder-decoder checks
+    geometry = model_geometry(model)  # CPU, dtype and attention checks
     dtype, num_kv_heads, head_dim = (geometry["dtype"], geometry["num_kv_heads"],
                                      geometry["head_dim"])
     windows = layer_windows(config)
@@ -182,9 +182,7 @@ def paged_cache(model, num_blocks=None, block_size: int = 16, kv_dtype: Optional
         caches[name] = PagedKVCache(**kw)
     if streaming is not None:
         _install_rotary_gate(model)
-    register()
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+    switch_attention(model)
     cache = PagedCache(caches, {name: layers for name, (w, layers) in groups.items()}, windows)
     if prompt_attention == "auto":
         prompt_attention = "pagedkv" if prompt_kernel_default(dtype, kv_dtype) else "torch"
@@ -363,7 +361,9 @@ class PagedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the K/V of the previous step were never attended: "
                 f"a PagedCache needs the model's attention to be {ATTENTION_NAME!r} "
                 "(paged_cache(model, ...) switches it; model.config._attn_implementation is "
-                "what the model uses now)")
+                "what the model uses now), called with the key tensor that update returned "
+                "(a model that reshapes or repeats the K/V between update and attention, as "
+                "JetMoE does, cannot run on pagedkv)")
         if key_states.dtype != value_states.dtype or key_states.shape != value_states.shape:
             raise ValueError(f"keys {tuple(key_states.shape)} {key_states.dtype} and values "
                              f"{tuple(value_states.shape)} {value_states.dtype} must match")
@@ -386,6 +386,11 @@ class PagedLayer(CacheLayerMixin):
         """Store the pending K/V of the new tokens and attend; ``own_kv(key, value)``: torch's
         attention over the new tokens' own K/V, used for a fresh prompt (see paged_cache's
         ``prompt_attention``)."""
+        if self.pending is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: attention without new K/V from update: the model "
+                "attends over this layer's K/V again (another layer reusing them), which "
+                "pagedkv does not support")
         key, value = self.pending
         self.pending = None
         paged, rows = self.rows.paged, self.rows

@@ -46,7 +46,8 @@ def _bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, num_laye
 
 def model_geometry(model) -> Dict[str, object]:
     """Cache geometry of a transformers decoder: layers, KV heads, head dim, dtype (raises
-    for a model off the CPU, another dtype or an encoder-decoder model)."""
+    for a model off the CPU, another dtype, or attention pagedkv cannot run: see
+    ``check_attention``)."""
     config = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu":
         raise ValueError(f"pagedkv runs on the CPU; the model is on {model.device}")
@@ -54,14 +55,41 @@ def model_geometry(model) -> Dict[str, object]:
     if dtype is None:
         raise TypeError(f"pagedkv takes float32, float64, bfloat16 or float16 models; the model "
                         f"is {model.dtype}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model: pagedkv "
-                                  "has no cross-attention cache")
+    check_attention(model, config)
     num_heads = int(config.num_attention_heads)
     return dict(num_layers=int(config.num_hidden_layers),
                 num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
                 head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // num_heads),
                 dtype=dtype)
+
+
+def check_attention(model, config) -> None:
+    """NotImplementedError, naming the cause, for a model whose attention pagedkv cannot run:
+    an encoder-decoder model (no cross-attention cache); a model whose attention code does
+    not go through transformers' ``AttentionInterface`` (the "pagedkv" attention would never
+    be called: Bloom, Falcon, GPT-J, CodeGen in transformers 5); multi-head latent attention
+    (DeepSeek V2/V3: a compressed latent and a rotary key of other sizes than its values); and
+    layers that reuse other layers' K/V (Gemma 3n's ``num_kv_shared_layers``)."""
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{name} is an encoder-decoder model: pagedkv has no "
+                                  "cross-attention cache")
+    # what set_attn_implementation consults (a look at the model's source for a call of the
+    # attention interface); it only logs a warning where it declines
+    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
+    if not (can_switch() if can_switch is not None else type(model).is_backend_compatible()):
+        raise NotImplementedError(
+            f"{name} runs its own attention code, not through transformers' "
+            "AttentionInterface: pagedkv's attention cannot take its place")
+    if getattr(config, "kv_lora_rank", None):
+        raise NotImplementedError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): "
+            "its cache holds a compressed latent and a rotary key of other sizes than its "
+            "values, and pagedkv holds K and V of one head size")
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise NotImplementedError(
+            f"{name}'s last {config.num_kv_shared_layers} layers reuse the K/V of earlier "
+            "layers (num_kv_shared_layers): pagedkv has no shared-layer cache")
 
 
 def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],

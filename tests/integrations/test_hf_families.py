@@ -19,7 +19,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from pagedkv.integrations.hf import layer_groups, layer_windows, paged_cache  # noqa: E402
+from pagedkv.integrations.hf import (ContinuousBatcher, layer_groups, layer_windows,  # noqa: E402
+                                     paged_cache)
 
 WINDOW = 8
 COMMON = dict(TINY, head_dim=16)
@@ -43,22 +44,57 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=WINDOW, num_hidden_layers=3,
                                         layer_types=[SL, SL, FU], query_pre_attn_scalar=16),
                "sdpa"),
-    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=4096), "sdpa"),
+    "gpt2": ("GPT2Config", {}, "sdpa"),
     "gpt_neox": ("GPTNeoXConfig", {}, "sdpa"),
     "olmo2": ("Olmo2Config", {}, "sdpa"),
     "smollm3": ("SmolLM3Config", {}, "sdpa"),
     "gpt_oss": ("GptOssConfig", dict(sliding_window=WINDOW, layer_types=[SL, FU],
                                      num_local_experts=4, num_experts_per_tok=2), "eager"),
+    "granite": ("GraniteConfig", {}, "sdpa"),
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    "cohere": ("CohereConfig", {}, "sdpa"),
+    "cohere2": ("Cohere2Config", dict(sliding_window=WINDOW, layer_types=[SL, FU]), "sdpa"),
+    "exaone4": ("Exaone4Config", dict(sliding_window=WINDOW, layer_types=[SL, FU]), "sdpa"),
+    "ministral": ("MinistralConfig", dict(sliding_window=WINDOW, layer_types=[SL, FU]), "sdpa"),
+    "olmo": ("OlmoConfig", {}, "sdpa"),
+    "olmo3": ("Olmo3Config", dict(sliding_window=WINDOW, layer_types=[SL, FU]), "sdpa"),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), "sdpa"),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32), "sdpa"),
+    "phi": ("PhiConfig", {}, "sdpa"),
+    "phimoe": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=None), "sdpa"),
+    "gpt_bigcode": ("GPTBigCodeConfig", {}, "sdpa"),  # multi-query: one KV head
+    "stablelm": ("StableLmConfig", {}, "sdpa"),
+    "glm": ("GlmConfig", {}, "sdpa"),
+    "glm4": ("Glm4Config", {}, "sdpa"),
+    "glm4_moe": ("Glm4MoeConfig", {}, "sdpa"),
+    "ernie4_5": ("Ernie4_5Config", {}, "sdpa"),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {}, "sdpa"),
+    "helium": ("HeliumConfig", {}, "sdpa"),
+    "seed_oss": ("SeedOssConfig", {}, "sdpa"),
+    "arcee": ("ArceeConfig", {}, "sdpa"),
+    "apertus": ("ApertusConfig", {}, "sdpa"),
+    "nemotron": ("NemotronConfig", {}, "sdpa"),
+    "bitnet": ("BitNetConfig", {}, "sdpa"),
+    "vaultgemma": ("VaultGemmaConfig", {}, "eager"),
+    "opt": ("OPTConfig", {}, "sdpa"),
+    "persimmon": ("PersimmonConfig", {}, "sdpa"),
 }
-SLIDING = {"mistral", "mixtral", "gemma2", "gemma3", "gpt_oss"}
+SLIDING = {"mistral", "mixtral", "gemma2", "gemma3", "gpt_oss", "cohere2", "exaone4", "ministral",
+           "olmo3"}
+# multi-head attention only: they would ignore a KV head count (and a head size) in the config
+MHA_ONLY = {"gpt_neox", "opt", "persimmon"}
 
 
 def _config(name):
     cls, over, _ = FAMILIES[name]
     kw = dict(COMMON)
-    if name == "gpt2":
-        kw = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    if name == "gpt_neox":  # multi-head attention only (it would ignore a KV head count)
+    if name in ("gpt2", "gpt_bigcode"):
+        kw = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                  n_embd=64, n_layer=2, n_head=4, n_positions=4096)
+    if name in MHA_ONLY:
         del kw["num_key_value_heads"], kw["head_dim"]
     kw.update(over)
     return getattr(transformers, cls)(**kw)
@@ -212,6 +248,61 @@ def test_unsupported_layer_types_are_refused_by_name():
     import pagedkv
     with pytest.raises(NotImplementedError, match="sliding"):
         paged_cache(ours, num_blocks=8, streaming=pagedkv.StreamingLLM(4, 60))
+
+
+# models pagedkv cannot run: (config class, config, what the refusal names)
+REFUSED = {
+    # attention code of its own, outside transformers' AttentionInterface
+    "bloom": ("BloomConfig", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+              "AttentionInterface"),
+    # multi-head latent attention: a latent and a rotary key of other sizes than the values
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        TINY, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        "latent attention"),
+    # the last layers reuse earlier layers' K/V
+    "gemma3n": ("Gemma3nTextConfig", dict(
+        TINY, head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        num_hidden_layers=4, sliding_window=WINDOW, layer_types=[SL, FU, SL, FU],
+        num_kv_shared_layers=2, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4,
+        intermediate_size=[128] * 4), "num_kv_shared_layers"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_models_pagedkv_cannot_run_are_refused_before_any_change(name):
+    cls, kw, what = REFUSED[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).float().eval()
+    before = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match=what):
+        paged_cache(model, num_blocks=16)
+    with pytest.raises(NotImplementedError, match=what):
+        ContinuousBatcher(model, num_blocks=16)
+    assert model.config._attn_implementation == before  # not switched
+
+
+def test_attention_that_changes_the_cached_kv_is_refused_at_the_next_step():
+    """JetMoE repeats the K/V that the cache's update returned before attending, so the
+    "pagedkv" attention never sees them: the next update says why instead of going on."""
+    kw = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(transformers.JetMoeConfig(
+        **kw, kv_channels=16, num_local_experts=4, num_experts_per_tok=2)).float().eval()
+    ids, mask = _batch(1, [6, 6])
+    with pytest.raises(RuntimeError, match="repeats the K/V"):
+        _gen(model, ids, mask, past_key_values=paged_cache(model, num_blocks=16),
+             max_new_tokens=3)
+
+
+def test_attention_without_new_kv_is_refused():
+    """A layer that attends a second time over K/V it did not store (another layer reusing
+    them) gets a RuntimeError naming that, not a failure deep inside."""
+    ours, _ = _models("llama")
+    layer = paged_cache(ours, num_blocks=8).layers[0]
+    with pytest.raises(RuntimeError, match="without new K/V"):
+        layer.attend(torch.zeros((1, 4, 1, 16)), None, 0.25)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
