@@ -417,6 +417,13 @@ class ContinuousBatcher:
                     attention_mask=self._mask, use_cache=False,
                     logits_to_keep=torch.tensor(logit_rows, dtype=torch.long),
                     **{STEP_KWARG: plan}).logits[0]
+            if len(plan.attended) != len(self._layer_of):
+                raise RuntimeError(
+                    f"{len(self._layer_of) - len(plan.attended)} of the model's "
+                    f"{len(self._layer_of)} layers attended without the batcher's step: "
+                    f"{type(self.model).__name__}'s decoder layers do not pass the attention "
+                    "keyword arguments through to its attention, so ContinuousBatcher cannot "
+                    "run it (paged_cache with model.generate can)")
         except BaseException:
             # the layers may have stored part of the step: recompute every scheduled request
             for req in list(decodes) + [r for r, _ in chunks]:

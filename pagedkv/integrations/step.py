@@ -3,8 +3,8 @@ plan of the packed row (``StepPlan``, passed as the keyword argument ``STEP_KWAR
 kernels' options of a layer (``kernel_options``, which ``paged_cache``'s layers use too)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -70,11 +70,14 @@ class StepPlan:
     chunks: List[Tuple[int, int]]
     chunk_sids: List[List[int]]
     num_tokens: int
+    #: the model layers whose attention ran this step (the batcher checks that all did)
+    attended: Set[int] = field(default_factory=set)
 
     def attend(self, module, query, key, value, scaling, kwargs) -> "torch.Tensor":
         """Write this layer's new K/V into the pages of its group and attend; query
         [1, Hq, T, D] -> [1, T, Hq, D]."""
         g, layer = self.layer_of[module.layer_idx]
+        self.attended.add(module.layer_idx)
         group = self.groups[g]
         opts = kernel_options(module.layer_idx, group.window, kwargs)
         _, hq, T, D = query.shape

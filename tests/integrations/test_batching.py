@@ -383,7 +383,12 @@ def test_a_failing_forward_leaves_nothing_behind(models):
         assert out[rid] == _reference(ref, p, 6)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma", "gpt2", "gpt_neox", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma", "gpt2", "gpt_neox", "qwen3_moe",
+                                    "granite", "granitemoe", "cohere", "olmo", "olmoe",
+                                    "qwen2_moe", "phi", "phimoe", "starcoder2", "gpt_bigcode",
+                                    "glm", "glm4", "glm4_moe", "ernie4_5", "hunyuan_v1_dense",
+                                    "helium", "seed_oss", "arcee", "apertus", "bitnet", "opt",
+                                    "persimmon"])
 def test_full_attention_families_exact_greedy(family):
     """Other full-attention families (the models of test_hf_families): the batcher's tokens
     equal each prompt's own generate() on the reference module."""
@@ -399,6 +404,23 @@ def test_full_attention_families_exact_greedy(family):
         for rid, p in zip(rids, prompts):
             want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)
             assert out[rid] == want[0, len(p):].tolist()
+    _all_blocks_back(b)
+
+
+@pytest.mark.parametrize("family", ["stablelm", "nemotron"])
+def test_layers_that_drop_the_step_are_refused_at_the_first_step(family):
+    """StableLM's and Nemotron's decoder layers call their attention without the keyword
+    arguments the batcher passes: transformers' sdpa would run over the packed row instead of
+    the pages. The first step raises saying so and leaves nothing behind."""
+    import test_hf_families as fam
+
+    ours, _ = fam._models(family)
+    b = ContinuousBatcher(ours, num_blocks=64, block_size=BS, max_batch_tokens=16)
+    b.add_request([1, 2, 3, 4, 5], 4)
+    with pytest.raises(RuntimeError, match="do not pass the attention keyword arguments"):
+        b.step()
+    st = b.stats()
+    assert st.running == 0 and st.waiting == 1
     _all_blocks_back(b)
 
 
