@@ -68,6 +68,9 @@ def pagedkv_attention(module, query, key, value, attention_mask, scaling=None, d
                          scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    idx = getattr(module, "layer_idx", None)
+    if idx is not None and idx != layer.layer_idx:  # a layer reusing another's K/V (Gemma 3n)
+        layer = layer.reused_by(idx, key, value)
     opts = kernel_options(layer.layer_idx, layer.window, dict(kwargs, dropout=dropout))
 
     def own_kv(k, v):  # a fresh prompt over its own K/V, as transformers runs it (hf.py)

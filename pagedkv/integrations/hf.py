@@ -346,6 +346,7 @@ class PagedLayer(CacheLayerMixin):
         self.is_sliding = rows.window is not None
         self.seen = 0  # stream positions so far, padding included (transformers' length)
         self.pending = None
+        self.peers: List[PagedLayer] = [self]  # every layer of the PagedCache, by model index
         self.is_initialized = True
 
     @property
@@ -372,6 +373,26 @@ class PagedLayer(CacheLayerMixin):
         setattr(key_states, LINK, self)
         return key_states, value_states
 
+    def reused_by(self, layer_idx: int, key, value) -> "PagedLayer":
+        """The layer ``layer_idx`` of this cache, given this layer's new K/V (returned by its
+        ``update``) to store and attend over as its own: a model whose later layers reuse an
+        earlier layer's K/V (Gemma 3n's ``num_kv_shared_layers``) calls their attention with
+        the earlier layer's keys.  Each such layer keeps its own copy in its group's pages."""
+        if not 0 <= layer_idx < len(self.peers) or self.peers[layer_idx] is None:
+            raise RuntimeError(f"layer {layer_idx} attends over layer {self.layer_idx}'s K/V "
+                               "but this cache has no such layer")
+        other = self.peers[layer_idx]
+        if other.pending is not None:
+            raise RuntimeError(f"layer {layer_idx} attends over layer {self.layer_idx}'s K/V "
+                               "while its own new K/V were never attended")
+        if other.window != self.window:
+            raise NotImplementedError(
+                f"layer {layer_idx} (window {other.window}) attends over the K/V of layer "
+                f"{self.layer_idx} (window {self.window}): pagedkv keeps a layer's K/V for "
+                "its own window")
+        other.pending = (key, value)
+        return other
+
     def get_mask_sizes(self, query_length: int):
         return self.seen + query_length, 0
 
@@ -388,9 +409,8 @@ class PagedLayer(CacheLayerMixin):
         ``prompt_attention``)."""
         if self.pending is None:
             raise RuntimeError(
-                f"layer {self.layer_idx}: attention without new K/V from update: the model "
-                "attends over this layer's K/V again (another layer reusing them), which "
-                "pagedkv does not support")
+                f"layer {self.layer_idx}: attention without new K/V from update (the layer "
+                "attends twice in one step, which pagedkv does not support)")
         key, value = self.pending
         self.pending = None
         paged, rows = self.rows.paged, self.rows
@@ -499,6 +519,8 @@ class PagedCache(Cache):
         for name, idx in group_layers.items():
             for local, i in enumerate(idx):
                 layers[i] = PagedLayer(self.group_rows[name], i, local)
+        for layer in layers:
+            layer.peers = layers
         self.rows = next(iter(self.group_rows.values()))
         super().__init__(layers=layers)
 

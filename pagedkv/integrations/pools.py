@@ -67,9 +67,8 @@ def check_attention(model, config) -> None:
     """NotImplementedError, naming the cause, for a model whose attention pagedkv cannot run:
     an encoder-decoder model (no cross-attention cache); a model whose attention code does
     not go through transformers' ``AttentionInterface`` (the "pagedkv" attention would never
-    be called: Bloom, Falcon, GPT-J, CodeGen in transformers 5); multi-head latent attention
-    (DeepSeek V2/V3: a compressed latent and a rotary key of other sizes than its values); and
-    layers that reuse other layers' K/V (Gemma 3n's ``num_kv_shared_layers``)."""
+    be called: Bloom, Falcon, GPT-J, CodeGen in transformers 5); and multi-head latent attention
+    (DeepSeek V2/V3: a compressed latent and a rotary key of other sizes than its values)."""
     name = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"{name} is an encoder-decoder model: pagedkv has no "
@@ -86,10 +85,6 @@ def check_attention(model, config) -> None:
             f"{name} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): "
             "its cache holds a compressed latent and a rotary key of other sizes than its "
             "values, and pagedkv holds K and V of one head size")
-    if getattr(config, "num_kv_shared_layers", 0):
-        raise NotImplementedError(
-            f"{name}'s last {config.num_kv_shared_layers} layers reuse the K/V of earlier "
-            "layers (num_kv_shared_layers): pagedkv has no shared-layer cache")
 
 
 def resolve_num_blocks(num_blocks: Optional[int], kv_cache_bytes: Optional[int],

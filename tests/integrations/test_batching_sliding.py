@@ -20,7 +20,7 @@ from pagedkv.integrations.hf import ContinuousBatcher, paged_cache  # noqa: E402
 
 SL, FU = "sliding_attention", "full_attention"
 SLIDING_FAMILIES = ["mistral", "mixtral", "gemma2", "gemma3", "gpt_oss", "qwen2_sliding",
-                    "qwen3_sliding", "cohere2", "exaone4", "ministral", "olmo3"]
+                    "qwen3_sliding", "cohere2", "exaone4", "ministral", "olmo3", "gemma3n"]
 _FAMILY = {}
 _FAMILY_REF = {}
 
