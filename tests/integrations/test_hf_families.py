@@ -1,11 +1,12 @@
 """Model families in transformers: pagedkv (cache + attention) against DynamicCache.
 
-Each family is a tiny random model (2-3 layers, nothing downloaded), run twice on identical
+Each family is a tiny random model (2-4 layers, nothing downloaded), run twice on identical
 weights: with ``paged_cache`` and with transformers' DynamicCache and its own attention (sdpa;
 eager for the families whose attention needs it: Gemma 2's logit softcapping, gpt-oss's sinks).
 A left-padded batch of 2 generates past the sliding window, then a second turn continues both
 caches; beam search runs on a fresh pair.  Greedy tokens must be identical, logits close.
 Sliding-window layers keep bounded memory: held blocks stay flat over 1,000 generated tokens.
+Models pagedkv cannot run are refused with the cause named, before anything changes.
 """
 import copy
 import math
