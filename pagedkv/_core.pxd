@@ -13,6 +13,7 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_AVX512VNNI
         PKV_SIMD_AVXVNNI
         PKV_SIMD_NEONDOT
+        PKV_SIMD_AVX512AMX
     int pkv_detect_simd()
     int pkv_simd_supported(int simd)
 

@@ -81,9 +81,11 @@ class OutOfBlocksError(MemoryError):
 
 cdef int _simd_detected = pkv_detect_simd()
 # indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd,
-# "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd, "neondot" NEON with sdot
-_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot")
-_SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "neondot", "avx512", "avx512vnni")
+# "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd, "neondot" NEON with sdot,
+# "avx512amx" AVX-512 + VNNI with bfloat16 keys scored in AMX tiles
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx")
+_SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "neondot", "avx512", "avx512vnni",
+                       "avx512amx")
 
 
 def simd_supported():
@@ -111,7 +113,7 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 def simd_backend():
     """Name of the active SIMD path: 'scalar', 'avx2', 'avxvnni', 'avx512', 'avx512vnni',
-    'neon' or 'neondot'."""
+    'avx512amx', 'neon' or 'neondot'."""
     return _SIMD_NAMES[_simd]
 
 
@@ -319,8 +321,8 @@ cdef class CacheCore:
     def quantizes_queries(self):
         """True when attention rounds the queries to int8 (a float32 scale per
         32 values) to score int8 keys with an integer dot product: int8
-        storage, float32 compute, an integer dot path ("avx512vnni" with
-        block_size >= 16, "avxvnni" with block_size >= 8, "neondot" with
+        storage, float32 compute, an integer dot path ("avx512vnni" or
+        "avx512amx" with block_size >= 16, "avxvnni" with block_size >= 8, "neondot" with
         block_size >= 4), no RoPE (include/pagedkv/attn_dot.h)."""
         return bool(pkv_quantizes_queries(self.storage, self.compute, _simd, self.block_size,
                                           self.has_rope))

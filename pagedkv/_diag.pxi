@@ -209,10 +209,10 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     kind: "fma_f32" / "fma_f64", the fused multiply-add the attention kernels
     are built on (one multiply-add of one lane counts 1); "dpbusd", the
     integer dot product of the VNNI paths' int8 scores (vpdpbusd: 64 byte
-    products per instruction on "avx512vnni", 32 on "avxvnni", each counts
-    1); "sdot", its counterpart on "neondot" (16 products).  simd: the path
-    ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon",
-    "neondot"; None: the active one,
+    products per instruction on "avx512vnni" and "avx512amx", 32 on
+    "avxvnni", each counts 1); "sdot", its counterpart on "neondot" (16
+    products).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
+    "avx512vnni", "avx512amx", "neon", "neondot"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop

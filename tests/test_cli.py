@@ -66,7 +66,8 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
     # the kernel with K/V in L2 against the measured FMA peak, 1 thread, every storage dtype
     peaks = {r["kind"]: r for r in data["records"] if r["suite"] == "instruction-peak"}
     # int8 keys in float32 scored with an integer dot product on these paths
-    dot = {"avx512vnni": "dpbusd", "avxvnni": "dpbusd", "neondot": "sdot"}.get(pagedkv.simd_backend())
+    dot = {"avx512vnni": "dpbusd", "avx512amx": "dpbusd", "avxvnni": "dpbusd",
+           "neondot": "sdot"}.get(pagedkv.simd_backend())
     assert set(peaks) == {"fma_f32", "fma_f64"} | ({dot} if dot else set())
     assert all(_positive_finite(r["lanes_per_s"]) and r["threads"] == 1 for r in peaks.values())
     l2 = [r for r in data["records"] if r["suite"] == "decode-l2"]
@@ -109,9 +110,14 @@ def test_bench_prefill_append_without_torch(tmp_path, capsys):
                   "--no-torch")
     pre = [r for r in data["records"] if r["suite"] == "prefill"]
     app = [r for r in data["records"] if r["suite"] == "append"]
-    assert len(pre) == 1 and set(pre[0]["results"]) == {"pagedkv", "numpy"}
+    kv_rows = {"pagedkv-bf16", "pagedkv-f16", "pagedkv-i8"}  # the default --kv-dtypes
+    assert len(pre) == 1 and set(pre[0]["results"]) == {"pagedkv", "numpy"} | kv_rows
+    assert pre[0]["kv_dtypes"] == ["bfloat16", "float16", "int8"]
     assert _positive_finite(pre[0]["results"]["pagedkv"]["gflops"])
     assert _positive_finite(pre[0]["ratios"]["numpy"])
+    for name in kv_rows:  # timed, and checked within the storage's bound
+        assert _positive_finite(pre[0]["ratios"][name])
+        assert 0 < pre[0]["results"][name]["max_rel_err_vs_pagedkv"] <= 3e-2
     # the arrays' own storage (append, append_batch), then append into each narrower storage
     assert [(r["call"], r["kv_dtype"]) for r in app] == [
         ("append", "float32"), ("append_batch", "float32"), ("append", "bfloat16"),

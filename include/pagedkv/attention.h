@@ -79,6 +79,25 @@ PKV_TARGET_END
 #undef PKV_DOT_ISA
 #undef PKV_DOT_TAG
 #include "attn_vocab_end.h"
+
+/* ---- AVX-512 + VNNI + AMX: AVX-512 + VNNI's kernels, but bfloat16 keys in
+ * float32 scored in AMX tiles (attn_amx.h); built where the compiler has the
+ * tile intrinsics (PKV_HAVE_AMX), else never offered ------------------------ */
+#if PKV_HAVE_AMX
+#define PKV_AMX_KERNELS avx512amx
+#define PKV_T_F64 0
+#include "vocab_avx512.h"
+#define PKV_BF16_AMX 1
+#define PKV_DOT_TAG _f32_avx512amx
+PKV_TARGET_BEGIN(PKV_AVX512AMX_TARGET)
+#include "attn_instances.h"
+PKV_TARGET_END
+#undef PKV_BF16_AMX
+#undef PKV_DOT_TAG
+#include "attn_vocab_end.h"
+#else
+#define PKV_AMX_KERNELS avx512 /* a table entry for a path never offered */
+#endif
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -116,12 +135,14 @@ typedef struct {
 #define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
 /* the vector paths built for this architecture, as designated entries
  * (the VNNI paths run the kernels of the path below them, but for int8 keys
- * in float32) */
+ * in float32; the AMX path AVX-512 + VNNI's, but for bfloat16 keys in
+ * float32) */
 #if PKV_X86
-#define PKV_KERNELS_X86(st, ct, avx2, vnni256, avx512, vnni512)                                    \
+#define PKV_KERNELS_X86(st, ct, avx2, vnni256, avx512, vnni512, amx)                               \
     [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVXVNNI] = PKV_KERNELS(st, ct, vnni256), \
-    [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni512)
-#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512)
+    [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni512), \
+    [PKV_SIMD_AVX512AMX] = PKV_KERNELS(st, ct, amx)
+#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512, avx512)
 #elif PKV_ARM64 && PKV_HAVE_NEONDOT
 #define PKV_KERNELS_ARM(st, ct, dot) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon), [PKV_SIMD_NEONDOT] = PKV_KERNELS(st, ct, dot)
 #define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_ARM(st, ct, neon)
@@ -138,13 +159,18 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
     [PKV_F32][PKV_F32] = PKV_KERNELS_ALL(f32, f32),
     [PKV_F32][PKV_F64] = PKV_KERNELS_ALL(f32, f64),
     [PKV_F64][PKV_F64] = PKV_KERNELS_ALL(f64, f64),
+#if PKV_X86
+    [PKV_BF16][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(bf16, f32, scalar),
+                           PKV_KERNELS_X86(bf16, f32, avx2, avx2, avx512, avx512, PKV_AMX_KERNELS)},
+#else
     [PKV_BF16][PKV_F32] = PKV_KERNELS_ALL(bf16, f32),
+#endif
     [PKV_BF16][PKV_F64] = PKV_KERNELS_ALL(bf16, f64),
     [PKV_F16][PKV_F32] = PKV_KERNELS_ALL(f16, f32),
     [PKV_F16][PKV_F64] = PKV_KERNELS_ALL(f16, f64),
 #if PKV_X86
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
-                         PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni)},
+                         PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni, avx512vnni)},
 #elif PKV_ARM64 && PKV_HAVE_NEONDOT
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
                          PKV_KERNELS_ARM(i8, f32, neondot)},
@@ -158,7 +184,8 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
  * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI,
  * sdot of NEON + dot product */
 static inline int pkv_simd_int8_dot(int simd) {
-    return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_NEONDOT;
+    return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX ||
+           simd == PKV_SIMD_NEONDOT;
 }
 
 /* 1 when the kernels of (storage, compute, simd) round the queries to int8 for

@@ -217,8 +217,13 @@ static inline int pkv_dot_scores_apply(int bs, int rope, int w) { return bs >= w
 static inline size_t pkv_qdot_ldq(int d) {
     return (size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP * PKV_I8_GROUP;
 }
+/* ... or staged for AMX tiles (attn_amx.h): three rows of bfloat16 values
+ * per query row, d rounded up to 32, and room for a 16-row tile read from
+ * the last row on */
 static inline size_t pkv_qdot_bytes(int d) {
-    return (size_t)PKV_MAX_ROWS * (pkv_qdot_ldq(d) + 8 * ((size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP));
+    const size_t i8 = (size_t)PKV_MAX_ROWS * (pkv_qdot_ldq(d) + 8 * ((size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP));
+    const size_t amx = ((size_t)PKV_MAX_ROWS * 3 + 16) * ((size_t)(d + 31) / 32 * 32) * 2;
+    return i8 > amx ? i8 : amx;
 }
 
 /* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,

@@ -50,6 +50,13 @@
 #define PKV_DOT_DEFAULTED
 #endif
 
+/* 1: bfloat16 keys scored in AMX tiles (attn_amx.h; AVX-512 + AMX, float32
+ * compute) */
+#ifndef PKV_BF16_AMX
+#define PKV_BF16_AMX 0
+#define PKV_AMX_DEFAULTED
+#endif
+
 #include "attn_tile.h"
 #include "attn_item.h"
 #include "attn_calls.h"
@@ -61,4 +68,8 @@
 #ifdef PKV_DOT_DEFAULTED
 #undef PKV_I8_DOT
 #undef PKV_DOT_DEFAULTED
+#endif
+#ifdef PKV_AMX_DEFAULTED
+#undef PKV_BF16_AMX
+#undef PKV_AMX_DEFAULTED
 #endif

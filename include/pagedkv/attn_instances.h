@@ -14,10 +14,15 @@
  * instantiated, their keys scored with an integer dot product
  * (attn_dot.h); everything else they call is the instance of PKV_TAG,
  * included before (attention.h: AVX-512 + VNNI on AVX-512's float32
- * instance, AVX2 + AVX-VNNI on AVX2's).
+ * instance, AVX2 + AVX-VNNI on AVX2's).  With PKV_BF16_AMX defined to 1 (and
+ * PKV_DOT_TAG) only the bfloat16 kernels are, their keys scored in AMX tiles
+ * (attn_amx.h), on AVX-512's float32 instance.
  */
+#if defined(PKV_I8_DOT) || defined(PKV_BF16_AMX)
+#define PKV_ONE_STORAGE 1 /* the instance of one storage type on PKV_TAG's */
+#endif
 #define PKV_FN(name) PKV_CAT(name, PKV_TAG)
-#ifndef PKV_I8_DOT
+#ifndef PKV_ONE_STORAGE
 #include "attn_math.h"
 #endif
 
@@ -36,7 +41,7 @@
 #define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
 #endif
 
-#ifndef PKV_I8_DOT
+#ifndef PKV_ONE_STORAGE
 /* storage = the compute type */
 #define PKV_S PKV_T
 #define PKV_SLOAD(p) PKV_VLOAD(p)
@@ -60,7 +65,9 @@
 #undef PKV_SLOAD
 #undef PKV_S
 #endif
+#endif /* !PKV_ONE_STORAGE */
 
+#ifndef PKV_I8_DOT
 /* bfloat16 */
 #define PKV_S uint16_t
 #define PKV_SLOAD(p) PKV_LD_BF16(p)
@@ -68,14 +75,22 @@
 #ifdef PKV_LD_BF16_PAIR /* the even or odd dimensions of two vectors (attn_tile.h) */
 #define PKV_SLOAD_PAIR(p, odd) PKV_LD_BF16_PAIR(p, odd)
 #endif
+#ifdef PKV_BF16_AMX
+#define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_DOT_TAG)
+#else
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_TAG)
+#endif
 #include "attn_impl.h"
 #undef PKV_SLOAD_PAIR
 #undef PKV_KFN
 #undef PKV_SGET
 #undef PKV_SLOAD
+#undef PKV_S
+#endif
 
-/* float16 (PKV_S is still uint16_t) */
+#ifndef PKV_ONE_STORAGE
+/* float16 */
+#define PKV_S uint16_t
 #define PKV_SLOAD(p) PKV_LD_F16(p)
 #define PKV_SGET(p) ((PKV_T)pkv_f16_to_f32(*(p)))
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvf16), PKV_TAG)
@@ -84,8 +99,9 @@
 #undef PKV_SGET
 #undef PKV_SLOAD
 #undef PKV_S
-#endif /* !PKV_I8_DOT */
+#endif /* !PKV_ONE_STORAGE */
 
+#ifndef PKV_BF16_AMX
 /* int8 with a float32 scale per PKV_I8_GROUP values: PKV_SLOAD / PKV_SGET
  * read the raw integers, attn_impl.h applies the group scales */
 #define PKV_STORE_SCALED 1
@@ -103,12 +119,14 @@
 #undef PKV_SLOAD
 #undef PKV_S
 #undef PKV_STORE_SCALED
+#endif /* !PKV_BF16_AMX */
 #undef PKV_CFN
 #undef PKV_LDSC
 
 /* the row-batch linear kernel (compute type only; dispatched by linear.h) */
-#ifndef PKV_I8_DOT
+#ifndef PKV_ONE_STORAGE
 #include "linear_impl.h"
 #endif
 
+#undef PKV_ONE_STORAGE
 #undef PKV_FN

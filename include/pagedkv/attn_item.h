@@ -62,6 +62,14 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     /* the rows quantized once for the integer scores (keys scored as stored) */
     PKV_KFN(qrows_t) qd = {0};
     if (pkv_dot_scores_apply(bs, a->rope != NULL, PKV_W)) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
+#elif PKV_BF16_AMX
+    /* the rows staged once for the AMX scores, the tiles configured */
+    PKV_KFN(qrows_t) qd = {q, NULL, 0};
+    const int amx = pkv_dot_scores_apply(bs, a->rope != NULL, PKV_W) && nqh > PKV_AMX_MIN_ROWS;
+    if (amx) {
+        PKV_KFN(stage_rows)(q, nq, d, qdot, &qd);
+        PKV_KFN(amx_begin)();
+    }
 #else
     (void)qdot;
 #endif
@@ -197,6 +205,9 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
 #if PKV_I8_DOT
                         const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh);
                         PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
+#elif PKV_BF16_AMX
+                        const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh, d);
+                        PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #else
                         PKV_KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #endif
@@ -222,6 +233,9 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         }
     }
 #undef PKV_UNIT_SLICES
+#if PKV_BF16_AMX
+    if (amx) PKV_KFN(amx_end)();
+#endif
     if (out) return 1;
     for (int i = 0; i < nq; i++)
         if (m[i] == -INFINITY) memset(acc + (size_t)i * d, 0, sizeof(PKV_T) * (size_t)d);

@@ -89,9 +89,9 @@
  * row quantized (attn_dot.h) */
 #if PKV_I8_DOT
 #include "attn_dot.h"
-#define PKV_QROWS PKV_KFN(qrows_t)
+#define PKV_QVEC PKV_KFN(qrows_t)
 #else
-#define PKV_QROWS PKV_T
+#define PKV_QVEC PKV_T
 typedef const PKV_T *PKV_KFN(qrow_t);
 /* row `row` of the head's rows q (d values apart) */
 static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { return q + (size_t)row * d; }
@@ -223,9 +223,14 @@ static inline void PKV_KFN(put_tile)(PKV_T *restrict s, int ldc, const pkv_kvec 
  * group of two or three repeats its first row and drops the extra results:
  * one pass over the keys costs less than a pass per row); a single row
  * (multi-head attention decode) has its own tile. */
-static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *rows, int na,
-                                        const pkv_kvec *e, int ne, size_t stride, int d,
-                                        PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
+#if PKV_BF16_AMX /* attn_amx.h's tile_scores scores in AMX tiles, falling back to this one */
+#define PKV_TILE_SCORES_VEC tile_scores_vec
+#else
+#define PKV_TILE_SCORES_VEC tile_scores
+#endif
+static inline void PKV_KFN(PKV_TILE_SCORES_VEC)(const PKV_QVEC *restrict q, const int *rows, int na,
+                                                const pkv_kvec *e, int ne, size_t stride, int d,
+                                                PKV_T *restrict sbuf, int ldc, pkv_pfs *ps) {
     PKV_VEC res[6 * PKV_SC_NV];
     if (na == 1) {
         const PKV_KFN(qrow_t) qr = PKV_KFN(qrow)(q, rows[0], d);
@@ -274,6 +279,17 @@ static inline void PKV_KFN(tile_scores)(const PKV_QROWS *restrict q, const int *
             for (int r = 0; r < nr; r++) PKV_KFN(put_lanes)(sbuf + (size_t)(a0 + r) * ldc, e + v, res[r]);
         }
 }
+
+#undef PKV_TILE_SCORES_VEC
+
+/* The query rows as tile_scores takes them (through score_runs): as the
+ * vector kernels take them, or staged for AMX tiles (attn_amx.h) */
+#if PKV_BF16_AMX
+#include "attn_amx.h"
+#define PKV_QROWS PKV_KFN(qrows_t)
+#else
+#define PKV_QROWS PKV_QVEC
+#endif
 
 /* Scores of one key at a time, for blocks narrower than a vector (bs < PKV_W):
  * key slot j of K^T kt is kt[i * stride + j]. */
@@ -718,4 +734,5 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
 }
 #undef PKV_PV_FOLD
 #undef PKV_QROWS
+#undef PKV_QVEC
 #undef PKV_SIX_ROWS

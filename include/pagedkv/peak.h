@@ -202,7 +202,8 @@ PKV_PEAK_DEFINE_DP(pkv_peak_sdot_neondot, "arch=armv8.2-a+dotprod", int32x4_t, 4
 static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     const int f64 = kind == PKV_PEAK_FMA_F64;
 #if PKV_X86
-    if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVX512VNNI) return pkv_peak_dpbusd_avx512vnni;
+    if (kind == PKV_PEAK_DPBUSD && (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX))
+        return pkv_peak_dpbusd_avx512vnni;
     if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVXVNNI) return pkv_peak_dpbusd_avxvnni;
 #endif
 #if PKV_ARM64 && PKV_HAVE_NEONDOT
@@ -225,7 +226,7 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
  * pkv_peak_fn_for has no loop for it. */
 static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
-    if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVX512VNNI ? 64 : 32;
+    if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVXVNNI ? 32 : 64;
     if (kind == PKV_PEAK_SDOT) return 16;
     const int w = pkv_simd_f32_lanes(simd); /* float64: half as many, scalar 1 */
     return kind == PKV_PEAK_FMA_F64 && w > 1 ? w / 2 : w;

@@ -4,10 +4,15 @@
  * nothing here depends on the flags the extension was built with, so one
  * binary runs on any CPU of its architecture and picks its path at import.
  *
- * x86-64: scalar, AVX2+FMA, AVX2 with AVX-VNNI, AVX-512, and AVX-512 with
- * VNNI, compiled with per-function target pragmas.  The VNNI paths run the
- * kernels of the path below them, except that int8 keys in float32 are
- * scored with the integer dot product vpdpbusd (attn_dot.h).
+ * x86-64: scalar, AVX2+FMA, AVX2 with AVX-VNNI, AVX-512, AVX-512 with
+ * VNNI, and AVX-512 with VNNI and AMX-BF16, compiled with per-function
+ * target pragmas.  The VNNI paths run the kernels of the path below them,
+ * except that int8 keys in float32 are scored with the integer dot product
+ * vpdpbusd (attn_dot.h); the AMX path runs AVX-512 + VNNI's kernels, except
+ * that bfloat16 keys in float32 are scored in AMX tiles (attn_amx.h).  AMX
+ * needs the OS's leave to use its tile state: on Linux, granted per process
+ * by arch_prctl(ARCH_REQ_XCOMP_PERM), asked once here; where it is refused
+ * (or the OS is not Linux) the path is not offered.
  * Detection asks cpuid for the instructions *and* xgetbv for the OS support
  * of the wide registers (a CPU can report AVX-512 while the kernel does not
  * save zmm state).
@@ -31,10 +36,11 @@ enum {
     PKV_SIMD_AVX512VNNI = 4, /* AVX-512 + AVX512_VNNI */
     PKV_SIMD_AVXVNNI = 5,    /* AVX2 + AVX-VNNI (256-bit vpdpbusd, no AVX-512) */
     PKV_SIMD_NEONDOT = 6,    /* NEON + the dot product extension (sdot) */
-    PKV_NUM_SIMD = 7
+    PKV_SIMD_AVX512AMX = 7,  /* AVX-512 + AVX512_VNNI + AMX-TILE + AMX-BF16 */
+    PKV_NUM_SIMD = 8
 };
 /* their names (PAGEDKV_SIMD), indexed by PKV_SIMD_*: an initializer */
-#define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot"}
+#define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx"}
 
 /* CPU vendors (pkv_cpu_vendor) */
 enum { PKV_CPU_OTHER = 0, PKV_CPU_INTEL = 1, PKV_CPU_AMD = 2 };
@@ -43,6 +49,32 @@ enum { PKV_CPU_OTHER = 0, PKV_CPU_INTEL = 1, PKV_CPU_AMD = 2 };
 #define PKV_X86 1
 #define PKV_ARM64 0
 #include <cpuid.h>
+
+/* 1 when the compiler can build the AMX path (its tile intrinsics: GCC 11,
+ * clang 12 on); older compilers build the others and never offer it */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define PKV_HAVE_AMX 1
+#else
+#define PKV_HAVE_AMX 0
+#endif
+
+/* Ask the OS for the AMX tile data state (Linux 5.16 on: a process must
+ * request it before its first tile instruction, or that instruction faults).
+ * 1 when granted (asking again once granted is harmless). */
+static inline int pkv_amx_permitted(void) {
+#if defined(__linux__)
+    /* the arch_prctl system call (158 on x86-64), made directly: no libc
+     * feature macros needed */
+    long ret;
+    __asm__ volatile("syscall"
+                     : "=a"(ret)
+                     : "a"(158L), "D"(0x1023L /* ARCH_REQ_XCOMP_PERM */), "S"(18L /* XFEATURE_XTILEDATA */)
+                     : "rcx", "r11", "memory");
+    return ret == 0;
+#else
+    return 0;
+#endif
+}
 
 static inline uint64_t pkv_xgetbv0(void) {
     uint32_t lo, hi;
@@ -84,11 +116,16 @@ static inline unsigned pkv_x86_paths(void) {
             unsigned a1, b1, c1, d1;
             __cpuid_count(7, 1, a1, b1, c1, d1);
             const int avxvnni = (a1 >> 4) & 1; /* AVX-VNNI (VEX-encoded vpdpbusd) */
+            /* AMX-BF16 and AMX-TILE (leaf 7 edx bits 22, 24), the OS saving
+             * the tile config and data (XCR0 bits 17, 18) */
+            const int amx = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
             if (avx2) {
                 paths |= 1u << PKV_SIMD_AVX2;
                 if (avxvnni) paths |= 1u << PKV_SIMD_AVXVNNI;
                 if (avx512) paths |= 1u << PKV_SIMD_AVX512;
                 if (avx512 && vnni512) paths |= 1u << PKV_SIMD_AVX512VNNI;
+                if (PKV_HAVE_AMX && avx512 && vnni512 && amx && pkv_amx_permitted())
+                    paths |= 1u << PKV_SIMD_AVX512AMX;
             }
         }
     }
@@ -96,12 +133,13 @@ static inline unsigned pkv_x86_paths(void) {
     return paths;
 }
 
-/* Best SIMD path this CPU and OS can run: AVX-512 (+ VNNI) before AVX2
- * (+ AVX-VNNI). */
+/* Best SIMD path this CPU and OS can run: AVX-512 (+ VNNI, + AMX) before
+ * AVX2 (+ AVX-VNNI). */
 static inline int pkv_detect_simd(void) {
-    static const int order[] = {PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI, PKV_SIMD_AVX2};
+    static const int order[] = {PKV_SIMD_AVX512AMX, PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI,
+                                PKV_SIMD_AVX2};
     const unsigned paths = pkv_x86_paths();
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (paths & (1u << order[i])) return order[i];
     return PKV_SIMD_SCALAR;
 }
@@ -159,12 +197,14 @@ static inline int pkv_simd_supported(int simd) {
 #endif
 }
 
-/* The path whose kernels path `simd` shares outside the int8 scores (the
- * read, linear and peak helpers of AVX-512 + VNNI are AVX-512's, those of
- * AVX2 + AVX-VNNI AVX2's, those of NEON + dot product NEON's). */
+/* The path whose kernels path `simd` shares outside the int8 and bfloat16
+ * scores (the read, linear and peak helpers of AVX-512 + VNNI and of
+ * AVX-512 + AMX are AVX-512's, those of AVX2 + AVX-VNNI AVX2's, those of NEON
+ * + dot product NEON's). */
 static inline int pkv_simd_base(int simd) {
     switch (simd) {
     case PKV_SIMD_AVX512VNNI: return PKV_SIMD_AVX512;
+    case PKV_SIMD_AVX512AMX: return PKV_SIMD_AVX512;
     case PKV_SIMD_AVXVNNI: return PKV_SIMD_AVX2;
     case PKV_SIMD_NEONDOT: return PKV_SIMD_NEON;
     default: return simd;

@@ -447,7 +447,7 @@ def peak_kind(dtype: str) -> str:
 def peak_kinds(cache, dtype: str) -> Tuple[str, str]:
     """The instructions of (scores, P.V) of `cache`'s decode: the compute type's
     FMA for both, except where the cache scores int8 keys with an integer dot
-    product (cache.quantizes_queries): vpdpbusd on the avx512vnni and avxvnni
+    product (cache.quantizes_queries): vpdpbusd on the avx512vnni, avx512amx and avxvnni
     paths, sdot on neondot."""
     fma = peak_kind(dtype)
     if not cache.quantizes_queries:

@@ -13,6 +13,10 @@ Baselines, each checked once per configuration against pagedkv's output:
   ``enable_gqa=True`` or ``repeat_interleave`` of K and V inside the timed
   call; both are timed and the faster is reported (both are in the JSON).
 
+With float32, the same K/V in each storage dtype of ``--kv-dtypes``
+(``pagedkv-bf16``, ...; checked within the storage's bound, their ratio the
+float32 storage's time / theirs).
+
 Useful FLOPs = 4 * Hq * D * sum_{i<L} (i + 1) = 2 * Hq * D * L * (L + 1): the
 multiply-adds of Q K^T and P V over the causal triangle only.
 """
@@ -26,10 +30,10 @@ import numpy as np
 
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        check_close, load_torch)
-from pagedkv.benchmarks.decode import Shape, shape
+from pagedkv.benchmarks.decode import KV_CHECK_TOL, Shape, kv_impl, shape
 from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
                                        short_dtype, suite_section, timed_cells)
-from pagedkv.benchmarks.timing import Impl, measure, paired_ratios, timed_once
+from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, paired_ratios, timed_once
 
 TORCH = "torch-sdpa"
 TORCH_GQA = "torch-sdpa(enable_gqa)"
@@ -56,7 +60,7 @@ def useful_flops(hq: int, d: int, L: int) -> int:
 
 
 class _Case:
-    def __init__(self, dtype: str, L: int, sh: Shape, torch, seed: int):
+    def __init__(self, dtype: str, L: int, sh: Shape, torch, seed: int, kv_dtypes=()):
         import pagedkv
 
         dt = np.dtype(dtype)
@@ -74,6 +78,15 @@ class _Case:
         self.sid = self.cache.add_sequence()
         self.cache.append(self.sid, k, v)
         self.out = np.empty((L, sh.hq, sh.d), dtype=dt)
+        # the same K/V in each storage dtype: {kv_dtype: (cache, sid, out)}
+        self.kv: Dict[str, tuple] = {}
+        for kv_dtype in kv_dtypes:
+            c = pagedkv.PagedKVCache(num_blocks=nblk, block_size=BLOCK_SIZE, num_kv_heads=sh.hkv,
+                                     head_dim=sh.d, dtype=dtype, kv_dtype=kv_dtype, max_seqs=1,
+                                     max_blocks_per_seq=nblk)
+            sid = c.add_sequence()
+            c.append(sid, k, v)
+            self.kv[kv_dtype] = (c, sid, np.empty_like(self.out))
         # each baseline gets its inputs in the layout it prefers (untimed)
         self.Kh = np.ascontiguousarray(k.transpose(1, 0, 2))            # [Hkv, L, D]
         self.Vh = np.ascontiguousarray(v.transpose(1, 0, 2))
@@ -96,6 +109,14 @@ class _Case:
     def run_pagedkv(self, n: int) -> None:
         for _ in range(n):
             self.cache.attend(self.sid, self.q, out=self.out)
+
+    def runner_kv(self, kv_dtype: str):
+        c, sid, out = self.kv[kv_dtype]
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                c.attend(sid, self.q, out=out)
+        return run
 
     def run_numpy(self, n: int) -> None:
         for _ in range(n):
@@ -128,6 +149,9 @@ class _Case:
         L, sh = self.L, self.sh
         if name == PAGEDKV:
             return self.out
+        for kv_dtype, (_, _, out) in self.kv.items():
+            if name == kv_impl(kv_dtype):
+                return out
         if name == NUMPY:
             o = self.o
         else:
@@ -136,6 +160,8 @@ class _Case:
 
     def close(self) -> None:
         self.cache.free(self.sid)
+        for c, sid, _ in self.kv.values():
+            c.free(sid)
         self.__dict__.clear()
 
 
@@ -162,9 +188,12 @@ def run(settings: Settings) -> List[dict]:
                 old.close()
             cases.clear()
             gc.collect()
-            cases[key] = _Case(dtype, L, sh, torch, seed=7 + i)
+            cases[key] = _Case(dtype, L, sh, torch, seed=7 + i,
+                               kv_dtypes=settings.kv_dtypes if dtype == "float32" else ())
         case = cases[key]
         impls = {PAGEDKV: Impl(case.run_pagedkv)}
+        for kv_dtype in case.kv:
+            impls[kv_impl(kv_dtype)] = Impl(case.runner_kv(kv_dtype))
         if settings.quick:
             settings.note("--quick: the NumPy prefill baseline is skipped (not a target; "
                           "the full run has it)")
@@ -178,8 +207,7 @@ def run(settings: Settings) -> List[dict]:
             with ThreadScope(t, torch):
                 first = timed_once(impls)  # warm-up, and the outputs to check
                 want = case.outputs(PAGEDKV)
-                errors = {name: check_close(name, case.outputs(name), want, dtype)
-                          for name in impls if name != PAGEDKV}
+                errors = {name: _check(case, name, want) for name in impls if name != PAGEDKV}
                 timings = measure(impls, settings, prior=first)
             recs.append(_record(settings, case, t, timings, errors))
             recs[-1]["skipped"] = [] if NUMPY in impls else [NUMPY]
@@ -190,11 +218,27 @@ def run(settings: Settings) -> List[dict]:
     return recs
 
 
+def _check(case: _Case, name: str, want) -> float:
+    """The error of `name`'s output against pagedkv's: a baseline's within the
+    compute type's tolerance, a storage dtype's within its bound."""
+    kv = [k for k in case.kv if kv_impl(k) == name]
+    if not kv:
+        return check_close(name, case.outputs(name), want, case.dtype)
+    got = np.asarray(case.outputs(name), dtype=np.float64)
+    err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-300))
+    if not err <= KV_CHECK_TOL[kv[0]]:
+        raise AssertionError(f"{name}: max error {err:.3g} / max |out| exceeds the storage's "
+                             f"bound {KV_CHECK_TOL[kv[0]]:g}")
+    return err
+
+
 def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
     results = results_of(timings, lambda name, tm: {
         "gflops": case.flops / tm.median / 1e9,
         **({} if name == PAGEDKV else {"max_rel_err_vs_pagedkv": errors[name]})})
     ratios = paired_ratios(timings)
+    for kv_dtype in case.kv:  # storage dtypes: the float32 storage's time / theirs
+        ratios[kv_impl(kv_dtype)] = paired_ratio(timings[PAGEDKV], timings[kv_impl(kv_dtype)])
     variants = [n for n in (TORCH_GQA, TORCH_REP) if n in timings]
     torch_variant = None
     if variants:
@@ -204,14 +248,15 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
     return {"suite": "prefill", "dtype": case.dtype, "threads": t, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "causal": True,
             "useful_flops": case.flops, "results": results, "ratios": ratios,
-            "torch_variant": torch_variant}
+            "torch_variant": torch_variant, "kv_dtypes": list(case.kv)}
 
 
 def _head(r0: dict) -> str:
     return (f"Prefill, causal: L queries over L keys, Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}.  "
             "GFLOP/s counts useful FLOPs 2*Hq*D*L*(L+1) (the causal triangle);\n"
             "torch-sdpa is the faster of enable_gqa=True and repeat_interleave (named); "
-            "numpy computes the full square then masks it.")
+            "numpy computes the full square then masks it; pagedkv-bf16 / -f16 / -i8: the same "
+            "K/V stored\nin that dtype (their speedup: the float32 storage's time / theirs).")
 
 
 def _rows(r: dict) -> List[List[str]]:
@@ -221,7 +266,8 @@ def _rows(r: dict) -> List[List[str]]:
         return [label, *timed_cells(res), fmt_num(res["gflops"]), speed]
 
     return grouped([short_dtype(r["dtype"]), str(r["threads"]), str(r["L"])],
-                   impl_rows(r, (PAGEDKV, NUMPY, TORCH), cells, 5,
+                   impl_rows(r, (PAGEDKV, *(kv_impl(k) for k in r.get("kv_dtypes", [])), NUMPY,
+                                 TORCH), cells, 5,
                              lambda n: "skipped" if n in r.get("skipped", ()) else "n/a"))
 
 

@@ -201,7 +201,7 @@ def prompt_kernel_default(dtype: str, kv_dtype: Optional[str] = None) -> bool:
     storage: prefill about 1.35x the float32 time), and 16-bit models and NEON were not
     compared (docs/performance.md)."""
     return (dtype in ("float32", "float64") and kv_dtype in (None, dtype)
-            and simd_backend() in ("avx512", "avx512vnni"))
+            and simd_backend() in ("avx512", "avx512vnni", "avx512amx"))
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
-#   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI
-#             where this CPU has them; then again with the prefetch stream forced into L2
+#   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI /
+#             AVX-512 AMX where this CPU has them; then again with the prefetch stream forced into L2
 #             two units ahead and into L1 one unit ahead (with two decode items a thread)
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
 #             qemu-aarch64-static: scalar, NEON and NEON + dot product, then again as
@@ -39,7 +39,13 @@ fi
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo \
     && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
     require+=(--require avx512)
-    if grep -qw avx512_vnni /proc/cpuinfo; then require+=(--require avx512vnni); fi
+    if grep -qw avx512_vnni /proc/cpuinfo; then
+        require+=(--require avx512vnni)
+        # AMX: the kernel lists amx_tile / amx_bf16 only where it supports them (Linux)
+        if grep -qw amx_tile /proc/cpuinfo && grep -qw amx_bf16 /proc/cpuinfo; then
+            require+=(--require avx512amx)
+        fi
+    fi
 fi
 echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"

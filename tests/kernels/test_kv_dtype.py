@@ -266,7 +266,7 @@ def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
 
 # the SIMD paths that score int8 keys in float32 with an integer dot product, and their key
 # vectors' width (include/pagedkv/attention.h: pkv_simd_int8_dot, pkv_dot_scores_apply)
-INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16, "neondot": 4}
+INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16, "avx512amx": 16, "neondot": 4}
 
 QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer dot product or not
     ("int8", "float32", 16, False), ("int8", "float32", 64, False), ("int8", "float32", 8, False),

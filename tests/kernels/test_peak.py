@@ -12,9 +12,10 @@ KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
 # lanes per register of each path: (f32, f64)
 WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
-         "avx512vnni": (16, 8), "avxvnni": (8, 4), "neondot": (4, 2)}  # FMA loops: the base path's
+         "avx512vnni": (16, 8), "avxvnni": (8, 4), "neondot": (4, 2), "avx512amx": (16, 8)}  # FMA loops: the base path's
 # (kind, int32 lanes per register) of each path's integer dot probe (4 byte products a lane)
-DOT_PROBE = {"avx512vnni": ("dpbusd", 16), "avxvnni": ("dpbusd", 8), "neondot": ("sdot", 4)}
+DOT_PROBE = {"avx512vnni": ("dpbusd", 16), "avxvnni": ("dpbusd", 8), "neondot": ("sdot", 4),
+             "avx512amx": ("dpbusd", 16)}
 PATHS = pagedkv.simd_supported()
 
 

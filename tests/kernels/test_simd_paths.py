@@ -45,7 +45,9 @@ if platform.machine().lower() in ("aarch64", "arm64"):
         SUPPORTED.append("neondot")  # the dot product extension (built by GCC on Linux)
 if "avx512" in SUPPORTED and "avx512_vnni" in FLAGS:
     SUPPORTED.append("avx512vnni")  # AVX-512 with int8 keys scored by vpdpbusd
-UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot")
+    if {"amx_tile", "amx_bf16"} <= FLAGS and sys.platform.startswith("linux"):
+        SUPPORTED.append("avx512amx")  # ... and bfloat16 keys scored in AMX tiles
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx")
                if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
@@ -127,6 +129,43 @@ SCRIPT_INT8 = textwrap.dedent(
 )
 
 
+# bfloat16 keys in float32 on the forced path (scored in AMX tiles on avx512amx where a tile has
+# more than 4 query rows of a head and blocks hold 16 keys: GQA 8 decode, prefill), decode and
+# prefill against the reference on the stored values with float32's tolerance (the AMX scores
+# keep the query's float32 precision), every output saved where OUT_NPZ says
+SCRIPT_BF16 = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    import pagedkv
+    from reference import assert_attention_close, math_scale, random_tokens, ref_attention
+
+    assert pagedkv.simd_backend() == os.environ["PAGEDKV_SIMD"]
+    rng = np.random.default_rng(20261127)
+    outs = []
+    for block_size, head_dim, hkv, ratio, length in (
+        (16, 128, 2, 4, 700), (32, 67, 2, 3, 301), (64, 96, 1, 8, 130), (16, 256, 1, 5, 200),
+        (16, 300, 1, 2, 90), (8, 64, 2, 4, 100), (16, 33, 3, 16, 77),
+    ):
+        cache = pagedkv.PagedKVCache(num_blocks=length // block_size + 2, block_size=block_size,
+                                     num_kv_heads=hkv, head_dim=head_dim, kv_dtype="bfloat16")
+        sid = cache.add_sequence()
+        cache.append(sid, random_tokens(rng, length, hkv, head_dim, "float32"),
+                     random_tokens(rng, length, hkv, head_dim, "float32"))
+        kg, vg = cache.gather(sid)
+        for n in (1, 2, 9, 40):
+            q = random_tokens(rng, n, hkv * ratio, head_dim, "float32")
+            out = cache.attend_batch([sid], q) if n == 1 else cache.attend(sid, q)
+            exp = ref_attention(q, kg, vg, math_scale(head_dim), length - n)
+            assert_attention_close(out, exp, "float32", vg)
+            outs.append((f"bs{block_size}_d{head_dim}_n{n}", out))
+    if os.environ.get("OUT_NPZ"):
+        np.savez(os.environ["OUT_NPZ"], **dict(outs))
+    print("BF16-OK")
+    """
+)
+
+
 def run_script(script, marker, timeout=300, **env_updates):
     """Run `script` in a fresh interpreter (the tests folder importable) with env_updates set
     (e.g. PAGEDKV_SIMD=...); assert it exits 0 and prints `marker`; return its stdout."""
@@ -158,6 +197,29 @@ def test_forced_simd_backend_matches_reference(backend):
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_int8_keys_on_every_path_match_the_reference(backend):
     run_script(SCRIPT_INT8, "INT8-OK", PAGEDKV_SIMD=backend)
+
+
+@pytest.mark.parametrize("backend", SUPPORTED)
+def test_bf16_keys_on_every_path_match_the_reference(backend):
+    run_script(SCRIPT_BF16, "BF16-OK", PAGEDKV_SIMD=backend)
+
+
+@pytest.mark.skipif("avx512amx" not in SUPPORTED, reason="needs AMX (amx_tile, amx_bf16)")
+def test_amx_scores_agree_with_the_vector_path(tmp_path):
+    """avx512amx scores bfloat16 keys in AMX tiles where more than 4 query rows share a tile
+    (the query in three bfloat16 parts: float32's 24 bits), avx512vnni with float32 FMAs over
+    the widened keys: the outputs agree to float32 rounding of the scores, in every shape,
+    including those the AMX path leaves to the vector kernels (4 rows or fewer, blocks of fewer
+    than 16 keys, heads wider than 256)."""
+    got = {}
+    for b in ("avx512amx", "avx512vnni"):
+        run_script(SCRIPT_BF16, "BF16-OK", PAGEDKV_SIMD=b, OUT_NPZ=str(tmp_path / f"{b}.npz"))
+        with np.load(tmp_path / f"{b}.npz") as z:
+            got[b] = {k: z[k] for k in z.files}
+    assert len(got["avx512amx"]) == 28
+    for k, a in got["avx512amx"].items():
+        b = got["avx512vnni"][k]
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()), err_msg=k)
 
 
 @pytest.mark.skipif(not {"avxvnni", "avx512vnni"} <= set(SUPPORTED), reason="needs both VNNI paths")
