@@ -36,10 +36,11 @@
 #define PKV_AMX_ROWS 5
 #define PKV_AMX_MAX_D 256
 /* Tiles of at most this many rows are scored by the vector kernels (one pass
- * of their 4-row tile): on an Intel Xeon, B=1 decode with GQA 4 took 531 us
- * at L=2048 in AMX tiles against 392 us, while 8 rows (two query tokens)
- * took 800 against 846 and 64 rows 12.1 ms against 15.9
- * (docs/performance.md). */
+ * of their 4-row tile): on an Intel Xeon, B=1 L=2048 decode with GQA 4 took
+ * 531 us in AMX tiles against 392 us (no variant tried beat the vector
+ * kernels there), while with 8 rows (two query tokens) this kernel took 774
+ * against 826 us and with 64 rows 14.0 against 16.0 ms
+ * (docs/performance-history.md). */
 #define PKV_AMX_MIN_ROWS 4
 
 /* The staged rows of the item (or of one head: qrows_from): row i's parts
