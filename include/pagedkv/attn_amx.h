@@ -39,7 +39,7 @@
  * of their 4-row tile): on an Intel Xeon, B=1 L=2048 decode with GQA 4 took
  * 531 us in AMX tiles against 392 us (no variant tried beat the vector
  * kernels there), while with 8 rows (two query tokens) this kernel took 774
- * against 826 us and with 64 rows 14.0 against 16.0 ms
+ * against 826 us and with 64 query tokens 14.0 against 16.0 ms
  * (docs/performance-history.md). */
 #define PKV_AMX_MIN_ROWS 4
 
