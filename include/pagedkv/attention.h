@@ -181,8 +181,9 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
 };
 
 /* 1 when path `simd` scores int8 keys in float32 with an integer dot
- * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI,
- * sdot of NEON + dot product */
+ * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI (also
+ * on the AMX path, which runs AVX-512 + VNNI's int8 kernels), sdot of NEON +
+ * dot product */
 static inline int pkv_simd_int8_dot(int simd) {
     return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX ||
            simd == PKV_SIMD_NEONDOT;
