@@ -30,7 +30,7 @@ import numpy as np
 
 from pagedkv.benchmarks.common import (BLOCK_SIZE, NUMPY, PAGEDKV, Settings, ThreadScope,
                                        check_close, load_torch)
-from pagedkv.benchmarks.decode import KV_CHECK_TOL, Shape, kv_impl, shape
+from pagedkv.benchmarks.decode import Shape, check_kv, kv_impl, shape
 from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
                                        short_dtype, suite_section, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, paired_ratios, timed_once
@@ -222,14 +222,9 @@ def _check(case: _Case, name: str, want) -> float:
     """The error of `name`'s output against pagedkv's: a baseline's within the
     compute type's tolerance, a storage dtype's within its bound."""
     kv = [k for k in case.kv if kv_impl(k) == name]
-    if not kv:
-        return check_close(name, case.outputs(name), want, case.dtype)
-    got = np.asarray(case.outputs(name), dtype=np.float64)
-    err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-300))
-    if not err <= KV_CHECK_TOL[kv[0]]:
-        raise AssertionError(f"{name}: max error {err:.3g} / max |out| exceeds the storage's "
-                             f"bound {KV_CHECK_TOL[kv[0]]:g}")
-    return err
+    if kv:
+        return check_kv(name, case.outputs(name), want, kv[0])
+    return check_close(name, case.outputs(name), want, case.dtype)
 
 
 def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
