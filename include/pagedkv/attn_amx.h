@@ -97,7 +97,7 @@ static inline PKV_KFN(qrows_t) PKV_KFN(qrows_from)(const PKV_KFN(qrows_t) *all, 
  * and 7.  Tile registers are not renamed: a load into a tile waits until the
  * instructions before it have read it, hence the alternation (reusing one A
  * and one B tile, decode with GQA 4 measured within 10% of the vector
- * kernels with K/V in L2 and 20-50% slower out of it).  Four C tiles measured
+ * kernels with K/V in L2 and 12-58% slower out of it).  Four C tiles measured
  * 5-11% slower for 2-16 query tokens of GQA 4, the same for 64. */
 #define PKV_AMX_NC 2
 typedef struct {
