@@ -92,10 +92,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-# int8 keys in float32 on the forced path: decode and prefill against the reference with the
-# query as that path scores it (query_as_scored: rounded to int8 on the integer dot paths), then
-# every output saved where OUT_NPZ says, so paths can be compared with each other
-SCRIPT_INT8 = textwrap.dedent(
+# int8 or bfloat16 keys (KV_DTYPE) in float32 on the forced path: decode and prefill against the
+# reference on the stored values, with the query as that path scores it (query_as_scored:
+# rounded to int8 on the integer dot paths for int8 keys; as given otherwise: the AMX scores of
+# bfloat16 keys on avx512amx, where a tile has more than 4 query rows of a head and blocks hold
+# 16 keys, keep the query's float32 precision) and float32's tolerance; every output saved
+# where OUT_NPZ says, so paths can be compared with each other
+SCRIPT_STORAGE = textwrap.dedent(
     """
     import os
     import numpy as np
@@ -104,66 +107,39 @@ SCRIPT_INT8 = textwrap.dedent(
                            ref_attention)
 
     assert pagedkv.simd_backend() == os.environ["PAGEDKV_SIMD"]
-    rng = np.random.default_rng(20261126)
+    kv_dtype = os.environ["KV_DTYPE"]
+    seed, shapes, ns = {
+        "int8": (20261126, ((16, 128, 2, 4, 700), (8, 67, 2, 3, 301), (64, 96, 1, 8, 130),
+                            (5, 33, 2, 2, 97), (24, 64, 2, 4, 250)), (1, 9)),
+        "bfloat16": (20261127, ((16, 128, 2, 4, 700), (32, 67, 2, 3, 301), (64, 96, 1, 8, 130),
+                                (16, 256, 1, 5, 200), (16, 300, 1, 2, 90), (8, 64, 2, 4, 100),
+                                (16, 33, 3, 16, 77)), (1, 2, 9, 40)),
+    }[kv_dtype]
+    rng = np.random.default_rng(seed)
     outs = []
-    for block_size, head_dim, hkv, ratio, length in (
-        (16, 128, 2, 4, 700), (8, 67, 2, 3, 301), (64, 96, 1, 8, 130), (5, 33, 2, 2, 97),
-        (24, 64, 2, 4, 250),
-    ):
+    for block_size, head_dim, hkv, ratio, length in shapes:
         cache = pagedkv.PagedKVCache(num_blocks=length // block_size + 2, block_size=block_size,
-                                     num_kv_heads=hkv, head_dim=head_dim, kv_dtype="int8")
+                                     num_kv_heads=hkv, head_dim=head_dim, kv_dtype=kv_dtype)
         sid = cache.add_sequence()
         cache.append(sid, random_tokens(rng, length, hkv, head_dim, "float32"),
                      random_tokens(rng, length, hkv, head_dim, "float32"))
         kg, vg = cache.gather(sid)
-        for n in (1, 9):
+        for n in ns:
             q = random_tokens(rng, n, hkv * ratio, head_dim, "float32")
             out = cache.attend_batch([sid], q) if n == 1 else cache.attend(sid, q)
             qs, sc = query_as_scored(cache, q, math_scale(head_dim))
             assert_attention_close(out, ref_attention(qs, kg, vg, sc, length - n), "float32", vg)
-            outs.append((f"bs{block_size}_n{n}", out))
-    if os.environ.get("OUT_NPZ"):
-        np.savez(os.environ["OUT_NPZ"], **dict(outs))
-    print("INT8-OK")
-    """
-)
-
-
-# bfloat16 keys in float32 on the forced path (scored in AMX tiles on avx512amx where a tile has
-# more than 4 query rows of a head and blocks hold 16 keys: GQA 8 decode, prefill), decode and
-# prefill against the reference on the stored values with float32's tolerance (the AMX scores
-# keep the query's float32 precision), every output saved where OUT_NPZ says
-SCRIPT_BF16 = textwrap.dedent(
-    """
-    import os
-    import numpy as np
-    import pagedkv
-    from reference import assert_attention_close, math_scale, random_tokens, ref_attention
-
-    assert pagedkv.simd_backend() == os.environ["PAGEDKV_SIMD"]
-    rng = np.random.default_rng(20261127)
-    outs = []
-    for block_size, head_dim, hkv, ratio, length in (
-        (16, 128, 2, 4, 700), (32, 67, 2, 3, 301), (64, 96, 1, 8, 130), (16, 256, 1, 5, 200),
-        (16, 300, 1, 2, 90), (8, 64, 2, 4, 100), (16, 33, 3, 16, 77),
-    ):
-        cache = pagedkv.PagedKVCache(num_blocks=length // block_size + 2, block_size=block_size,
-                                     num_kv_heads=hkv, head_dim=head_dim, kv_dtype="bfloat16")
-        sid = cache.add_sequence()
-        cache.append(sid, random_tokens(rng, length, hkv, head_dim, "float32"),
-                     random_tokens(rng, length, hkv, head_dim, "float32"))
-        kg, vg = cache.gather(sid)
-        for n in (1, 2, 9, 40):
-            q = random_tokens(rng, n, hkv * ratio, head_dim, "float32")
-            out = cache.attend_batch([sid], q) if n == 1 else cache.attend(sid, q)
-            exp = ref_attention(q, kg, vg, math_scale(head_dim), length - n)
-            assert_attention_close(out, exp, "float32", vg)
             outs.append((f"bs{block_size}_d{head_dim}_n{n}", out))
     if os.environ.get("OUT_NPZ"):
         np.savez(os.environ["OUT_NPZ"], **dict(outs))
-    print("BF16-OK")
+    print("STORAGE-OK", kv_dtype)
     """
 )
+
+
+def run_storage(backend, kv_dtype, **env_updates):
+    return run_script(SCRIPT_STORAGE, f"STORAGE-OK {kv_dtype}", PAGEDKV_SIMD=backend,
+                      KV_DTYPE=kv_dtype, **env_updates)
 
 
 def run_script(script, marker, timeout=300, **env_updates):
@@ -196,12 +172,12 @@ def test_forced_simd_backend_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_int8_keys_on_every_path_match_the_reference(backend):
-    run_script(SCRIPT_INT8, "INT8-OK", PAGEDKV_SIMD=backend)
+    run_storage(backend, "int8")
 
 
 @pytest.mark.parametrize("backend", SUPPORTED)
 def test_bf16_keys_on_every_path_match_the_reference(backend):
-    run_script(SCRIPT_BF16, "BF16-OK", PAGEDKV_SIMD=backend)
+    run_storage(backend, "bfloat16")
 
 
 @pytest.mark.skipif("avx512amx" not in SUPPORTED, reason="needs AMX (amx_tile, amx_bf16)")
@@ -213,7 +189,7 @@ def test_amx_scores_agree_with_the_vector_path(tmp_path):
     than 16 keys, heads wider than 256)."""
     got = {}
     for b in ("avx512amx", "avx512vnni"):
-        run_script(SCRIPT_BF16, "BF16-OK", PAGEDKV_SIMD=b, OUT_NPZ=str(tmp_path / f"{b}.npz"))
+        run_storage(b, "bfloat16", OUT_NPZ=str(tmp_path / f"{b}.npz"))
         with np.load(tmp_path / f"{b}.npz") as z:
             got[b] = {k: z[k] for k in z.files}
     assert len(got["avx512amx"]) == 28
@@ -230,7 +206,7 @@ def test_both_vnni_paths_round_the_query_alike(tmp_path):
     Their outputs agree to a few float32 ulps, far closer than either is to the reference."""
     got = {}
     for b in ("avxvnni", "avx512vnni"):
-        run_script(SCRIPT_INT8, "INT8-OK", PAGEDKV_SIMD=b, OUT_NPZ=str(tmp_path / f"{b}.npz"))
+        run_storage(b, "int8", OUT_NPZ=str(tmp_path / f"{b}.npz"))
         with np.load(tmp_path / f"{b}.npz") as z:
             got[b] = {k: z[k] for k in z.files}
     both = [k for k in got["avxvnni"] if int(k[2:].split("_")[0]) >= 16]
