@@ -261,7 +261,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
                     for (int u = 1; u < DS; u++) acc[u][r][v] = PKV_DI_ZERO();                     \
                 }                                                                                  \
             }                                                                                      \
-            int i = i0;                                                                            \
+            ptrdiff_t i = i0;                                                                      \
             for (; i + 4 * DS <= i1; i += 4 * DS) {                                                \
                 PKV_PFS_STEP((DS) * (NV))                                                          \
                 for (int u = 0; u < DS; u++) PKV_DOT_STEP(acc[u], R, NV, i + 4 * u)                \

@@ -97,12 +97,17 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     PKV_KFN(run_t) runs[PKV_TILE_KEYS];
     int64_t bidx[PKV_TILE_KEYS];
     /* prefetch stream of the unit after the one being read; unit
-     * (tile t, phase ph (0: K, 1: V), head hh) is number (t * 2 + ph) * nh + hh */
+     * (tile t, phase ph (0: K, 1: V), head hh) is number (t * 2 + ph) * nh + hh.
+     * PKV_UNIT_SLICES: the slices of the unit `ahead` units after (t, ph, hh),
+     * found by stepping on from there (no 64-bit division). */
     pkv_pfs pfs;
     pfs.l2 = pkv_pf_into_l2();
-#define PKV_UNIT_SLICES(unit, ps)                                                          \
+#define PKV_UNIT_SLICES(t, ph, hh, ahead, ps)                                              \
     do {                                                                                   \
-        const int64_t t_ = (unit) / (2 * nh), ph_ = ((unit) / nh) % 2, hh_ = (unit) % nh;  \
+        int64_t t_ = (t), k_ = (int64_t)(ph) * nh + (hh) + (ahead);                        \
+        for (; k_ >= 2 * nh; k_ -= 2 * nh) t_++;                                           \
+        const int ph_ = k_ >= nh;                                                          \
+        const int64_t hh_ = k_ - ph_ * nh;                                                 \
         const int64_t e0_ = t_ * tb;                                                       \
         (ps)->n = 0;                                                                       \
         for (int64_t e_ = e0_; e_ < e0_ + tb && e_ < nent; e_++) {                         \
@@ -118,7 +123,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     /* units the stream runs ahead: where it takes every unit (pfk), the CPU's choice */
     const int ahead = pfk ? pkv_pf_ahead() : 1;
     for (int64_t u0 = 0; stream && u0 < ahead && u0 < nunits; u0++) { /* the first ones, at once */
-        PKV_UNIT_SLICES(u0, &pfs);
+        PKV_UNIT_SLICES(0, 0, 0, u0, &pfs);
         pkv_pfs_finish(&pfs);
     }
     if (stream) reverse = 0; /* the stream's units run forward */
@@ -165,16 +170,15 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 pkv_pfs *ps = NULL;
                 /* software prefetch where the hardware prefetcher does not follow:
                  * the next unit (`ahead` units on) while a V unit is read (P.V
-                 * walks each V slice in passes of part of a row), and the jump to
-                 * the next tile's blocks.
+                 * walks each V slice in passes of part of a row; the tile's last
+                 * V unit takes the jump to the next tile's blocks).
                  * K units read K^T rows front to back, which the hardware streamer
                  * follows; on AMD prefetching them too measured no faster out of
                  * DRAM and 15-20% slower in cache, on Intel with the stream into L2
                  * it takes f32 decode out of DRAM from 88-92% to 97% of the pattern
                  * read (pfk; benchmarks/c/decode_ceiling.c, prefetch.h). */
-                if (stream && unit + ahead < nunits &&
-                    (ph == 1 || pfk || (unit + 1) % (2 * nh) == 0)) {
-                    PKV_UNIT_SLICES(unit + ahead, &pfs);
+                if (stream && unit + ahead < nunits && (ph == 1 || pfk)) {
+                    PKV_UNIT_SLICES(t, ph, hh, ahead, &pfs);
                     ps = &pfs;
                 }
                 for (int u = 0; u < cnt; u++) {
