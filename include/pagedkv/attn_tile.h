@@ -59,7 +59,7 @@
  * cannot be widened once for the loop, so every (size_t)(k + u) * stride
  * became a sign extension and a multiply per step (objdump of avx512
  * float32 tile_values: 93 imul and 209 movslq with int, 50 and 83 with
- * ptrdiff_t; decode with K/V in L2 2-6% faster on an Intel Xeon). */
+ * ptrdiff_t; docs/performance-history.md has the timings). */
 #define PKV_MK_SWEEP(acc, R, NV, NS, LOAD, BCAST, k, end)                                \
     for (; k + PKV_MK_ROUND(NS) <= (end); k += PKV_MK_ROUND(NS)) {                       \
         PKV_PFS_STEP(PKV_PF_STEP_LINES(PKV_MK_ROUND(NS) * (NV)))                         \
