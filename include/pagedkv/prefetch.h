@@ -110,18 +110,19 @@ static inline int pkv_pf_ahead(void) {
 #endif
 }
 
-/* A kernel's inner loop steps a local copy (kept in registers) and writes it
- * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP(n); } PKV_PFS_END(ps);
- * A step issues n lines, a constant of the loop (the units' slices are whole
- * multiples of that in the common geometries; a step may run a little past a
- * slice's end, which a prefetch tolerates), with one branch when nothing is
- * left.  -DPKV_PF_LINES=N makes every step issue N lines (for measurements). */
 /* The step's lines are addressed from one pointer the compiler may not see
  * through (an empty asm), so each prefetch is one instruction at a constant
  * offset from it.  Without it GCC made every line's address an induction
  * variable of its own: 16 of them in a round of P.V, kept in vector registers
  * and moved back for each prefetch (three instructions a line). */
 #define PKV_PF_OPAQUE(p) __asm__("" : "+r"(p))
+
+/* A kernel's inner loop steps a local copy (kept in registers) and writes it
+ * back when done:  PKV_PFS_BEGIN(ps); loop { PKV_PFS_STEP(n); } PKV_PFS_END(ps);
+ * A step issues n lines, a constant of the loop (the units' slices are whole
+ * multiples of that in the common geometries; a step may run a little past a
+ * slice's end, which a prefetch tolerates), with one branch when nothing is
+ * left.  -DPKV_PF_LINES=N makes every step issue N lines (for measurements). */
 #define PKV_PFS_BEGIN(ps)                                                          \
     pkv_pfs *pf_s_ = (ps);                                                         \
     const char *pf_at_ = pf_s_ ? pf_s_->at : NULL, *pf_end_ = pf_s_ ? pf_s_->end : NULL; \
