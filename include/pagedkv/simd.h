@@ -139,7 +139,7 @@ static inline int pkv_detect_simd(void) {
     static const int order[] = {PKV_SIMD_AVX512AMX, PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI,
                                 PKV_SIMD_AVX2};
     const unsigned paths = pkv_x86_paths();
-    for (int i = 0; i < 5; i++)
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
         if (paths & (1u << order[i])) return order[i];
     return PKV_SIMD_SCALAR;
 }

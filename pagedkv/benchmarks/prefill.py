@@ -78,7 +78,7 @@ class _Case:
         self.sid = self.cache.add_sequence()
         self.cache.append(self.sid, k, v)
         self.out = np.empty((L, sh.hq, sh.d), dtype=dt)
-        # the same K/V in each storage dtype: {kv_dtype: (cache, sid, out)}
+        # the same K/V in each storage dtype, by row name: {"pagedkv-bf16": (kv_dtype, cache, sid, out)}
         self.kv: Dict[str, tuple] = {}
         for kv_dtype in kv_dtypes:
             c = pagedkv.PagedKVCache(num_blocks=nblk, block_size=BLOCK_SIZE, num_kv_heads=sh.hkv,
@@ -86,7 +86,7 @@ class _Case:
                                      max_blocks_per_seq=nblk)
             sid = c.add_sequence()
             c.append(sid, k, v)
-            self.kv[kv_dtype] = (c, sid, np.empty_like(self.out))
+            self.kv[kv_impl(kv_dtype)] = (kv_dtype, c, sid, np.empty_like(self.out))
         # each baseline gets its inputs in the layout it prefers (untimed)
         self.Kh = np.ascontiguousarray(k.transpose(1, 0, 2))            # [Hkv, L, D]
         self.Vh = np.ascontiguousarray(v.transpose(1, 0, 2))
@@ -110,8 +110,8 @@ class _Case:
         for _ in range(n):
             self.cache.attend(self.sid, self.q, out=self.out)
 
-    def runner_kv(self, kv_dtype: str):
-        c, sid, out = self.kv[kv_dtype]
+    def runner_kv(self, name: str):
+        _, c, sid, out = self.kv[name]
 
         def run(n: int) -> None:
             for _ in range(n):
@@ -149,9 +149,8 @@ class _Case:
         L, sh = self.L, self.sh
         if name == PAGEDKV:
             return self.out
-        for kv_dtype, (_, _, out) in self.kv.items():
-            if name == kv_impl(kv_dtype):
-                return out
+        if name in self.kv:
+            return self.kv[name][3]
         if name == NUMPY:
             o = self.o
         else:
@@ -160,7 +159,7 @@ class _Case:
 
     def close(self) -> None:
         self.cache.free(self.sid)
-        for c, sid, _ in self.kv.values():
+        for _, c, sid, _ in self.kv.values():
             c.free(sid)
         self.__dict__.clear()
 
@@ -192,8 +191,8 @@ def run(settings: Settings) -> List[dict]:
                                kv_dtypes=settings.kv_dtypes if dtype == "float32" else ())
         case = cases[key]
         impls = {PAGEDKV: Impl(case.run_pagedkv)}
-        for kv_dtype in case.kv:
-            impls[kv_impl(kv_dtype)] = Impl(case.runner_kv(kv_dtype))
+        for name in case.kv:
+            impls[name] = Impl(case.runner_kv(name))
         if settings.quick:
             settings.note("--quick: the NumPy prefill baseline is skipped (not a target; "
                           "the full run has it)")
@@ -221,9 +220,8 @@ def run(settings: Settings) -> List[dict]:
 def _check(case: _Case, name: str, want) -> float:
     """The error of `name`'s output against pagedkv's: a baseline's within the
     compute type's tolerance, a storage dtype's within its bound."""
-    kv = [k for k in case.kv if kv_impl(k) == name]
-    if kv:
-        return check_kv(name, case.outputs(name), want, kv[0])
+    if name in case.kv:
+        return check_kv(name, case.outputs(name), want, case.kv[name][0])
     return check_close(name, case.outputs(name), want, case.dtype)
 
 
@@ -232,8 +230,8 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
         "gflops": case.flops / tm.median / 1e9,
         **({} if name == PAGEDKV else {"max_rel_err_vs_pagedkv": errors[name]})})
     ratios = paired_ratios(timings)
-    for kv_dtype in case.kv:  # storage dtypes: the float32 storage's time / theirs
-        ratios[kv_impl(kv_dtype)] = paired_ratio(timings[PAGEDKV], timings[kv_impl(kv_dtype)])
+    for name in case.kv:  # storage dtypes: the float32 storage's time / theirs
+        ratios[name] = paired_ratio(timings[PAGEDKV], timings[name])
     variants = [n for n in (TORCH_GQA, TORCH_REP) if n in timings]
     torch_variant = None
     if variants:
@@ -243,7 +241,7 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
     return {"suite": "prefill", "dtype": case.dtype, "threads": t, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "causal": True,
             "useful_flops": case.flops, "results": results, "ratios": ratios,
-            "torch_variant": torch_variant, "kv_dtypes": list(case.kv)}
+            "torch_variant": torch_variant, "kv_dtypes": [e[0] for e in case.kv.values()]}
 
 
 def _head(r0: dict) -> str:
