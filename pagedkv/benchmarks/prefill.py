@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -59,6 +59,14 @@ def useful_flops(hq: int, d: int, L: int) -> int:
     return 2 * hq * d * L * (L + 1)
 
 
+class _KvCase(NamedTuple):
+    """The prompt's K/V in one storage dtype: its cache, sequence and output buffer."""
+    kv_dtype: str
+    cache: pagedkv.PagedKVCache
+    sid: int
+    out: np.ndarray
+
+
 class _Case:
     def __init__(self, dtype: str, L: int, sh: Shape, torch, seed: int, kv_dtypes=()):
         import pagedkv
@@ -78,15 +86,15 @@ class _Case:
         self.sid = self.cache.add_sequence()
         self.cache.append(self.sid, k, v)
         self.out = np.empty((L, sh.hq, sh.d), dtype=dt)
-        # the same K/V in each storage dtype, by row name: {"pagedkv-bf16": (kv_dtype, cache, sid, out)}
-        self.kv: Dict[str, tuple] = {}
+        # the same K/V in each storage dtype, by row name ("pagedkv-bf16", ...)
+        self.kv: Dict[str, _KvCase] = {}
         for kv_dtype in kv_dtypes:
             c = pagedkv.PagedKVCache(num_blocks=nblk, block_size=BLOCK_SIZE, num_kv_heads=sh.hkv,
                                      head_dim=sh.d, dtype=dtype, kv_dtype=kv_dtype, max_seqs=1,
                                      max_blocks_per_seq=nblk)
             sid = c.add_sequence()
             c.append(sid, k, v)
-            self.kv[kv_impl(kv_dtype)] = (kv_dtype, c, sid, np.empty_like(self.out))
+            self.kv[kv_impl(kv_dtype)] = _KvCase(kv_dtype, c, sid, np.empty_like(self.out))
         # each baseline gets its inputs in the layout it prefers (untimed)
         self.Kh = np.ascontiguousarray(k.transpose(1, 0, 2))            # [Hkv, L, D]
         self.Vh = np.ascontiguousarray(v.transpose(1, 0, 2))
@@ -150,7 +158,7 @@ class _Case:
         if name == PAGEDKV:
             return self.out
         if name in self.kv:
-            return self.kv[name][3]
+            return self.kv[name].out
         if name == NUMPY:
             o = self.o
         else:
@@ -159,8 +167,8 @@ class _Case:
 
     def close(self) -> None:
         self.cache.free(self.sid)
-        for _, c, sid, _ in self.kv.values():
-            c.free(sid)
+        for e in self.kv.values():
+            e.cache.free(e.sid)
         self.__dict__.clear()
 
 
@@ -221,7 +229,7 @@ def _check(case: _Case, name: str, want) -> float:
     """The error of `name`'s output against pagedkv's: a baseline's within the
     compute type's tolerance, a storage dtype's within its bound."""
     if name in case.kv:
-        return check_kv(name, case.outputs(name), want, case.kv[name][0])
+        return check_kv(name, case.outputs(name), want, case.kv[name].kv_dtype)
     return check_close(name, case.outputs(name), want, case.dtype)
 
 
@@ -241,7 +249,7 @@ def _record(settings: Settings, case: _Case, t: int, timings, errors) -> dict:
     return {"suite": "prefill", "dtype": case.dtype, "threads": t, "L": case.L,
             "Hq": case.sh.hq, "Hkv": case.sh.hkv, "D": case.sh.d, "causal": True,
             "useful_flops": case.flops, "results": results, "ratios": ratios,
-            "torch_variant": torch_variant, "kv_dtypes": [e[0] for e in case.kv.values()]}
+            "torch_variant": torch_variant, "kv_dtypes": [e.kv_dtype for e in case.kv.values()]}
 
 
 def _head(r0: dict) -> str:
