@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Dict, List, NamedTuple, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from pagedkv.benchmarks.decode import Shape, check_kv, kv_impl, shape
 from pagedkv.benchmarks.report import (fmt_num, fmt_ratio, grouped, impl_rows, results_of,
                                        short_dtype, suite_section, timed_cells)
 from pagedkv.benchmarks.timing import Impl, measure, paired_ratio, paired_ratios, timed_once
+
+if TYPE_CHECKING:
+    from pagedkv.cache import PagedKVCache
 
 TORCH = "torch-sdpa"
 TORCH_GQA = "torch-sdpa(enable_gqa)"
@@ -62,7 +65,7 @@ def useful_flops(hq: int, d: int, L: int) -> int:
 class _KvCase(NamedTuple):
     """The prompt's K/V in one storage dtype: its cache, sequence and output buffer."""
     kv_dtype: str
-    cache: pagedkv.PagedKVCache
+    cache: PagedKVCache
     sid: int
     out: np.ndarray
 
