@@ -130,6 +130,7 @@ typedef struct {
     int64_t nchunk;
     size_t slot_bytes;
     int pfk; /* the items prefetch their K units too (prefetch.h) */
+    int l1k; /* or, not pfk, their K units' own rows into L1 (pkv_pf_l1k) */
 } pkv_decode_plan;
 
 /* A decode call that reads at least this many bytes of K+V prefetches its
@@ -138,6 +139,14 @@ typedef struct {
  * (Intel Xeon, f32 B=1 L=128, 1 MiB: 7-9% slower with them). */
 #ifndef PKV_PF_K_MIN_BYTES /* -D overrides it (measurements) */
 #define PKV_PF_K_MIN_BYTES (4 << 20)
+#endif
+/* A smaller decode call that reads at least this many bytes (more than
+ * this core's L2 holds on the machines measured) prefetches its K units' own
+ * rows into L1 where pkv_pf_l1k says so (prefetch.h); smaller calls, most
+ * often in cache, run as before (Intel Xeon, K/V in L2: B=1 L=16 and L=128
+ * 2-3% slower with the prefetches, L=256 over 64 layers 15% faster). */
+#ifndef PKV_L1K_MIN_BYTES
+#define PKV_L1K_MIN_BYTES (2 << 20)
 #endif
 
 /* A work item whose heads have at least this many query rows each (prefill

@@ -18,7 +18,8 @@
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
  * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
  * prefetch their next unit too (decode out of memory, where the stream goes
- * into L2).
+ * into L2); l1k (decode calls below pfk's size, prefetch.h: pkv_pf_l1k): K
+ * units prefetch their own K^T rows into L1 as the score tile walks them.
  *
  * reverse: take the tiles last to first (items without the prefetch stream;
  * see prefill_item).
@@ -37,7 +38,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                 const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
                                 int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, int reverse, PKV_T *out) {
+                                char *restrict qdot, int pfk, int l1k, int reverse, PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
     const size_t bstride = a->block_stride;             /* one block */
@@ -102,6 +103,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
      * found by stepping on from there (no 64-bit division). */
     pkv_pfs pfs;
     pfs.l2 = pkv_pf_into_l2();
+    pfs.l1k = 0;
 #define PKV_UNIT_SLICES(t, ph, hh, ahead, ps)                                              \
     do {                                                                                   \
         int64_t t_ = (t), k_ = (int64_t)(ph) * nh + (hh) + (ahead);                        \
@@ -127,6 +129,13 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         pkv_pfs_finish(&pfs);
     }
     if (stream) reverse = 0; /* the stream's units run forward */
+    /* l1k (decode, not pfk): K units prefetch their own rows into L1 */
+    pkv_pfs pf_l1k;
+    pf_l1k.n = pf_l1k.cur = 0;
+    pf_l1k.len = 0;
+    pf_l1k.at = pf_l1k.end = NULL;
+    pf_l1k.l2 = 0;
+    pf_l1k.l1k = 1;
     for (int ti = 0; ti < ntiles; ti++) {
         const int t = reverse ? ntiles - 1 - ti : ti;
         const int64_t g0 = (int64_t)t * tb;
@@ -180,6 +189,8 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 if (stream && unit + ahead < nunits && (ph == 1 || pfk)) {
                     PKV_UNIT_SLICES(t, ph, hh, ahead, &pfs);
                     ps = &pfs;
+                } else if (ph == 0 && l1k && stream && !a->rope) {
+                    ps = &pf_l1k;
                 }
                 for (int u = 0; u < cnt; u++) {
                     const size_t o = (size_t)table[bidx[u]] * bstride + (size_t)hh * hstride;

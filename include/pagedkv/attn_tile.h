@@ -68,6 +68,22 @@
     }                                                                                    \
     for (; k < (end); k++) PKV_MK_STEP((acc)[0], R, NV, LOAD, BCAST, k)
 
+/* The score sweep of a tile whose unit has no prefetch stream but a pkv_pfs
+ * marked l1k (prefetch.h): each round also prefetches into L1 the key vectors
+ * PKV_L1K_AHEAD steps on (the hardware prefetchers alone leave the tile
+ * waiting on L2 and L3 for its several K^T rows at once). */
+#define PKV_SC_SWEEP(acc, R, NV, NS, k, end, l1k)                                               \
+    for (; k + PKV_MK_ROUND(NS) <= (end); k += PKV_MK_ROUND(NS)) {                             \
+        PKV_PFS_STEP(PKV_PF_STEP_LINES(PKV_MK_ROUND(NS) * (NV)))                               \
+        if (l1k)                                                                               \
+            for (int u = 0; u < PKV_MK_ROUND(NS); u++)                                         \
+                for (int v = 0; v < (NV); v++)                                                 \
+                    __builtin_prefetch(kp[v] + (size_t)(k + u + PKV_L1K_AHEAD) * stride, 0, 3); \
+        for (int u = 0; u < PKV_MK_ROUND(NS); u++)                                             \
+            PKV_MK_STEP((acc)[u % (NS)], R, NV, PKV_SC_K, PKV_SC_Q, k + u)                     \
+    }                                                                                          \
+    for (; k < (end); k++) PKV_MK_STEP((acc)[0], R, NV, PKV_SC_K, PKV_SC_Q, k)
+
 /* PUT(r, v, NV, t) for every accumulator of the tile, t = acc[0][r][v] + ...
  * + acc[NS - 1][r][v] (the sum of its NS independent sets) */
 #define PKV_MK_REDUCE(acc, R, NV, NS, PUT)                                               \
@@ -143,8 +159,9 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < NV; v++) acc[u][r][v] = PKV_VZERO();                           \
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
+        const int l1k_ = ps != NULL && ps->l1k;                                                    \
         ptrdiff_t i = 0;                                                                           \
-        PKV_MK_SWEEP(acc, R, NV, DS, PKV_SC_K, PKV_SC_Q, i, d)                                     \
+        PKV_SC_SWEEP(acc, R, NV, DS, i, d, l1k_)                                                   \
         PKV_PFS_END(ps)                                                                            \
         PKV_MK_REDUCE(acc, R, NV, DS, PKV_SC_PUT)                                                  \
     }
@@ -194,6 +211,7 @@ PKV_SIX_TILE(PKV_SCORES_MK, sc, PKV_SC_NV)
 #undef PKV_DOT4
 #undef PKV_DOT_KOFF
 #undef PKV_SC_GROUP_PUT
+#undef PKV_SC_SWEEP
 #undef PKV_SC_K
 #undef PKV_SC_Q
 #undef PKV_SC_PUT
@@ -271,7 +289,7 @@ static inline void PKV_KFN(PKV_TILE_SCORES_VEC)(const PKV_QVEC *restrict q, cons
 #endif
         for (int g = 0; g < ngr; g++) {
             const int a0 = b4 + 4 * g, nr = na - a0 < 4 ? na - a0 : 4;
-            if (ps) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
+            if (ps && !ps->l1k) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
             else PKV_KFN(sc_4xn_np)(qr + a0, e + v, stride, d, res, ps);
             PKV_KFN(put_tile)(sbuf + (size_t)a0 * ldc, ldc, e + v, res, nr, full);
         }

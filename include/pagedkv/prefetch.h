@@ -40,6 +40,7 @@ typedef struct {
     size_t len;        /* bytes per slice */
     const char *at, *end; /* next line to prefetch in slice cur, and its end */
     int l2;            /* 1: prefetch into L2 (prefetcht1), 0: into L1 (prefetcht0) */
+    int l1k;           /* no slices: the unit's own K^T rows into L1 (pkv_pf_l1k) */
 } pkv_pfs;
 
 /* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
@@ -84,6 +85,28 @@ static inline int pkv_pf_into_l2(void) {
     int family;
     const int vendor = pkv_pf_cpu(&family);
     return vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family < 0x1A);
+#endif
+}
+
+/* Whether decode calls too small for the K units' stream (PKV_PF_K_MIN_BYTES)
+ * but at least PKV_L1K_MIN_BYTES (attn_args.h) prefetch each K unit's own K^T
+ * rows into L1, PKV_L1K_AHEAD steps of the score tile ahead (attn_tile.h:
+ * PKV_SC_SWEEP): on Intel, where the score tile otherwise waits on L2 and L3
+ * for its several K^T rows at once.  Measured on an Intel Xeon (AMX class;
+ * f32, Hq=32 Hkv=8 D=128, block size 16, alternated builds, medians of 4-5
+ * rounds), B=1, a call per layer in turn: L=256 over 64 layers 135 -> 115 us
+ * on 1 thread and 57 -> 50 us on 2, L=384 over 32 layers 158 -> 133 us and
+ * 72 -> 68 us.  Not measured on AMD, where it stays off.  -DPKV_PF_L1K=0/1
+ * forces it (tests, measurements). */
+#ifndef PKV_L1K_AHEAD
+#define PKV_L1K_AHEAD 16
+#endif
+static inline int pkv_pf_l1k(void) {
+#ifdef PKV_PF_L1K
+    return PKV_PF_L1K;
+#else
+    int family;
+    return pkv_pf_cpu(&family) == PKV_CPU_INTEL;
 #endif
 }
 

@@ -2,7 +2,8 @@
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
 #   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI /
 #             AVX-512 AMX where this CPU has them; then again with the prefetch stream forced into L2
-#             two units ahead and into L1 one unit ahead (with two decode items a thread)
+#             two units ahead (with decode's K units prefetching their rows into L1) and into L1
+#             one unit ahead (with two decode items a thread)
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
 #             qemu-aarch64-static: scalar, NEON and NEON + dot product, then again as
 #             a Cortex-A53, which lacks the dot product (skipped, saying so, when the
@@ -51,17 +52,21 @@ echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"
 "$out/test_kernels" "${require[@]}" "$@"
 # the prefetch stream goes into L1 or L2, one or two units ahead, by CPU (prefetch.h): run
-# forced choices, so those this CPU does not take are tested too: into L2 two units ahead, into
-# L1 one unit ahead; the second also makes two decode work items a thread (attn_args.h; by
-# default only on 8 threads or more), so its key split runs on these tests' 2 threads
+# forced choices, so those this CPU does not take are tested too: into L2 two units ahead, with
+# every smaller decode call's K units prefetching their own rows into L1 (l1k, by default only
+# on Intel and for calls of 2 MiB or more), and into L1 one unit ahead without l1k; the second
+# also makes two decode work items a thread (attn_args.h; by default only on 8 threads or more),
+# so its key split runs on these tests' 2 threads
 for loc in 2 3; do
     ahead=$((4 - loc))
     items=$((loc - 1))
+    l1k=$((3 - loc))
     echo "== native, the prefetch stream forced into L$((4 - loc)), $ahead unit(s) ahead," \
-         "$items decode item(s) a thread" \
-         "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead -DPKV_DECODE_ITEMS_MIN=$items)"
+         "$items decode item(s) a thread, l1k $l1k" \
+         "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead -DPKV_DECODE_ITEMS_MIN=$items" \
+         "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0)"
     build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead \
-        -DPKV_DECODE_ITEMS_MIN=$items
+        -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0
     "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
 done
 
