@@ -251,6 +251,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
             for (int v = 0; v < NV; v++) tot[r][v] = PKV_VZERO();                                 \
         const int d4 = d & ~3;                                                                     \
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                              \
+        const int l1k_ = ps != NULL && ps->l1k; /* as attn_tile.h's PKV_SC_SWEEP */                \
         for (int i0 = 0, g = 0; i0 < d4; i0 += PKV_I8_GROUP, g++) {                                \
             const int i1 = d4 - i0 < PKV_I8_GROUP ? d4 : i0 + PKV_I8_GROUP;                        \
             PKV_DI acc[DS][R][NV];                                                                 \
@@ -264,6 +265,11 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
             ptrdiff_t i = i0;                                                                      \
             for (; i + 4 * DS <= i1; i += 4 * DS) {                                                \
                 PKV_PFS_STEP((DS) * (NV))                                                          \
+                if (l1k_)                                                                          \
+                    for (int u = 0; u < DS; u++)                                                   \
+                        for (int v = 0; v < NV; v++)                                               \
+                            __builtin_prefetch(kp[v] + (size_t)(i + 4 * (u + PKV_L1K_AHEAD)) * stride, \
+                                               0, 3);                                              \
                 for (int u = 0; u < DS; u++) PKV_DOT_STEP(acc[u], R, NV, i + 4 * u)                \
             }                                                                                      \
             for (; i < i1; i += 4) PKV_DOT_STEP(acc[0], R, NV, i)                                  \

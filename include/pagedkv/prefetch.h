@@ -91,13 +91,14 @@ static inline int pkv_pf_into_l2(void) {
 /* Whether decode calls too small for the K units' stream (PKV_PF_K_MIN_BYTES)
  * but at least PKV_L1K_MIN_BYTES (attn_args.h) prefetch each K unit's own K^T
  * rows into L1, PKV_L1K_AHEAD steps of the score tile ahead (attn_tile.h:
- * PKV_SC_SWEEP): on Intel, where the score tile otherwise waits on L2 and L3
- * for its several K^T rows at once.  Measured on an Intel Xeon (AMX class;
- * f32, Hq=32 Hkv=8 D=128, block size 16, alternated builds, medians of 4-5
- * rounds), B=1, a call per layer in turn: L=256 over 64 layers 135 -> 115 us
- * on 1 thread and 57 -> 50 us on 2, L=384 over 32 layers 158 -> 133 us and
- * 72 -> 68 us.  Not measured on AMD, where it stays off.  -DPKV_PF_L1K=0/1
- * forces it (tests, measurements). */
+ * PKV_SC_SWEEP; attn_dot.h's integer tile likewise): on Intel, where the
+ * score tile otherwise waits on L2 and L3 for its several K^T rows at once.
+ * Measured on an Intel Xeon (AMX class; Hq=32 Hkv=8 D=128, block size 16,
+ * alternated builds, medians of 4-5 rounds), B=1, a call per layer in turn:
+ * f32 L=256 over 64 layers 135 -> 115 us on 1 thread and 57 -> 50 us on 2,
+ * L=384 over 32 layers 158 -> 133 us and 72 -> 68 us; int8 storage L=1024
+ * over 24 layers 149 -> 141 us.  Not measured on AMD, where it stays off.
+ * -DPKV_PF_L1K=0/1 forces it (tests, measurements). */
 #ifndef PKV_L1K_AHEAD
 #define PKV_L1K_AHEAD 16
 #endif
