@@ -97,7 +97,10 @@ static inline int pkv_pf_into_l2(void) {
  * alternated builds, medians of 4-5 rounds), B=1, a call per layer in turn:
  * f32 L=256 over 64 layers 135 -> 115 us on 1 thread and 57 -> 50 us on 2,
  * L=384 over 32 layers 158 -> 133 us and 72 -> 68 us; int8 storage L=1024
- * over 24 layers 149 -> 141 us.  Not measured on AMD, where it stays off.
+ * over 24 layers 149 -> 141 us.  Off on AMD: on the Zen 4 class (family
+ * 0x19 model 0x11, avx512vnni path, alternated builds, 5 rounds) it made f32
+ * L=256 over 64 layers 133-157 -> 155-164 us and L=384 over 6 layers
+ * 132-187 -> 174-223 us.
  * -DPKV_PF_L1K=0/1 forces it (tests, measurements). */
 #ifndef PKV_L1K_AHEAD
 #define PKV_L1K_AHEAD 16
