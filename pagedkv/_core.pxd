@@ -14,6 +14,7 @@ cdef extern from "pagedkv/simd.h" nogil:
         PKV_SIMD_AVXVNNI
         PKV_SIMD_NEONDOT
         PKV_SIMD_AVX512AMX
+        PKV_SIMD_AVX512BF16
     int pkv_detect_simd()
     int pkv_simd_supported(int simd)
 
@@ -99,6 +100,7 @@ cdef extern from "pagedkv/attention.h" nogil:
         pkv_attn_fn prefill
     const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd)
     int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope)
+    int pkv_rounds_queries_bf16(int storage, int compute, int simd, int bs, int rope)
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
 
@@ -115,6 +117,7 @@ cdef extern from "pagedkv/peak.h" nogil:
         PKV_PEAK_FMA_F64
         PKV_PEAK_DPBUSD
         PKV_PEAK_SDOT
+        PKV_PEAK_DPBF16
         PKV_PEAK_CHAINS
     int pkv_peak_width(int kind, int simd)
     uint64_t pkv_peak_run(int kind, int simd, int64_t iters, int nthreads, double a, double b,

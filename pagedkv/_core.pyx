@@ -82,10 +82,12 @@ class OutOfBlocksError(MemoryError):
 cdef int _simd_detected = pkv_detect_simd()
 # indexed by PKV_SIMD_* (simd.h); "avx512vnni" is AVX-512 with int8 keys scored by vpdpbusd,
 # "avxvnni" AVX2 with them scored by the VEX-encoded vpdpbusd, "neondot" NEON with sdot,
+# "avx512bf16" AVX-512 + VNNI with bfloat16 keys scored by vdpbf16ps on a bfloat16 query,
 # "avx512amx" AVX-512 + VNNI with bfloat16 keys scored in AMX tiles
-_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx")
+_SIMD_NAMES = ("scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx",
+               "avx512bf16")
 _SIMD_SLOWEST_FIRST = ("scalar", "avx2", "avxvnni", "neon", "neondot", "avx512", "avx512vnni",
-                       "avx512amx")
+                       "avx512bf16", "avx512amx")
 
 
 def simd_supported():
@@ -113,7 +115,7 @@ cdef int _nthreads = 0  # 0: follow OpenMP (OMP_NUM_THREADS)
 
 def simd_backend():
     """Name of the active SIMD path: 'scalar', 'avx2', 'avxvnni', 'avx512', 'avx512vnni',
-    'avx512amx', 'neon' or 'neondot'."""
+    'avx512bf16', 'avx512amx', 'neon' or 'neondot'."""
     return _SIMD_NAMES[_simd]
 
 
@@ -321,11 +323,21 @@ cdef class CacheCore:
     def quantizes_queries(self):
         """True when attention rounds the queries to int8 (a float32 scale per
         32 values) to score int8 keys with an integer dot product: int8
-        storage, float32 compute, an integer dot path ("avx512vnni" or
-        "avx512amx" with block_size >= 16, "avxvnni" with block_size >= 8, "neondot" with
-        block_size >= 4), no RoPE (include/pagedkv/attn_dot.h)."""
+        storage, float32 compute, an integer dot path ("avx512vnni",
+        "avx512bf16" or "avx512amx" with block_size >= 16, "avxvnni" with
+        block_size >= 8, "neondot" with block_size >= 4), no RoPE
+        (include/pagedkv/attn_dot.h)."""
         return bool(pkv_quantizes_queries(self.storage, self.compute, _simd, self.block_size,
                                           self.has_rope))
+
+    @property
+    def rounds_queries_bf16(self):
+        """True when attention rounds the queries to bfloat16 (to nearest even) to
+        score bfloat16 keys with vdpbf16ps: bfloat16 storage, float32 compute,
+        the "avx512bf16" path, block_size >= 16, no RoPE
+        (include/pagedkv/attn_bf16dot.h)."""
+        return bool(pkv_rounds_queries_bf16(self.storage, self.compute, _simd, self.block_size,
+                                            self.has_rope))
 
     @property
     def num_free_blocks(self):

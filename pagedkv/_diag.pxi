@@ -160,7 +160,7 @@ def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
 # instruction peak (include/pagedkv/peak.h)
 
 _PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64,
-               "dpbusd": PKV_PEAK_DPBUSD, "sdot": PKV_PEAK_SDOT}
+               "dpbusd": PKV_PEAK_DPBUSD, "sdot": PKV_PEAK_SDOT, "dpbf16": PKV_PEAK_DPBF16}
 
 
 def _peak_args(kind, simd, threads):
@@ -211,8 +211,10 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     integer dot product of the VNNI paths' int8 scores (vpdpbusd: 64 byte
     products per instruction on "avx512vnni" and "avx512amx", 32 on
     "avxvnni", each counts 1); "sdot", its counterpart on "neondot" (16
-    products).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
-    "avx512vnni", "avx512amx", "neon", "neondot"; None: the active one,
+    products); "dpbf16", the bfloat16 dot product of the "avx512bf16" path's
+    bfloat16 scores (vdpbf16ps: 32 products of bfloat16 pairs per
+    instruction).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
+    "avx512vnni", "avx512bf16", "avx512amx", "neon", "neondot"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop
@@ -255,7 +257,9 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     """Seconds one run of the probe took; checks the lanes it counted and its
     checksum: with a = 0.5, b = 1 every FMA lane ends at exactly 2 after >= 256
     rounds (2^-256 times any start is below half an ulp of 2); every dpbusd
-    or sdot int32 lane k (16, 8 or 4 per chain) ends at k + 4 * iters."""
+    or sdot int32 lane k (16, 8 or 4 per chain) ends at k + 4 * iters; every
+    dpbf16 float32 lane k at k + 2 * iters while that is below 2^24 (exact),
+    beyond which the lanes only have to have grown (their sums round)."""
     import time
     cdef uint64_t lanes
     cdef double total = 0.0
@@ -263,12 +267,20 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     with nogil:
         lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
     dt = time.perf_counter() - t0
+    ok = True
     if k == PKV_PEAK_DPBUSD or k == PKV_PEAK_SDOT:
         n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 4  # int32 lanes, 4 products each
         want = float(nt * (n32 * (n32 - 1) // 2 + n32 * 4 * iters))
+    elif k == PKV_PEAK_DPBF16:
+        n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 2  # float32 lanes, 2 products each
+        start = float(nt * (n32 * (n32 - 1) // 2))
+        want = start + float(nt * n32 * 2 * iters)
+        if n32 + 2 * iters >= 1 << 24:  # the sums round: the lanes only have to have grown
+            ok = start < total <= want
+            want = total
     else:
         want = 2.0 * per_round
-    if total != want or lanes != <uint64_t>iters * per_round:
+    if not ok or total != want or lanes != <uint64_t>iters * per_round:
         raise RuntimeError(f"peak probe: {lanes} lanes with checksum {total}, expected "
                            f"{iters * per_round} lanes with checksum {want}")
     return max(dt, 1e-9)

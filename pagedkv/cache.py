@@ -250,8 +250,13 @@ class PagedKVCache(EvictionMethods):
         lambda self: self._core.quantizes_queries,
         doc="Whether attention rounds the queries to int8 (a float32 scale per 32 values) to "
             "score int8 keys with an integer dot product (int8 storage, float32 compute, an "
-            "integer dot SIMD path: 'avx512vnni' or 'avx512amx' with block_size >= 16, 'avxvnni' with "
-            "block_size >= 8, 'neondot' with block_size >= 4; no RoPE).")
+            "integer dot SIMD path: 'avx512vnni', 'avx512bf16' or 'avx512amx' with block_size >= 16, "
+            "'avxvnni' with block_size >= 8, 'neondot' with block_size >= 4; no RoPE).")
+    rounds_queries_bf16 = property(
+        lambda self: self._core.rounds_queries_bf16,
+        doc="Whether attention rounds the queries to bfloat16 (to nearest even) to score "
+            "bfloat16 keys with vdpbf16ps (bfloat16 storage, float32 compute, the 'avx512bf16' "
+            "SIMD path, block_size >= 16, no RoPE).")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
                                doc="Bytes of one block: K and V of every layer.")
     last_attention_plan = property(

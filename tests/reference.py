@@ -76,8 +76,12 @@ def query_as_scored(cache, q, scale):
     Where ``cache.quantizes_queries`` (int8 keys on an integer dot product, the documented query
     rounding), each group of 32 values of a head vector (in float32, before the softmax scale,
     which the kernels apply to the scores) is rounded to int8 steps of max |x| / 127 (ties to
-    even); the result holds the rounded values times their steps.  Otherwise q as given.
+    even); the result holds the rounded values times their steps.  Where
+    ``cache.rounds_queries_bf16`` (bfloat16 keys scored with vdpbf16ps), each value (in float32)
+    is rounded to bfloat16, to nearest even.  Otherwise q as given.
     """
+    if getattr(cache, "rounds_queries_bf16", False):
+        return ref_round_float(np.asarray(q, dtype=np.float32), "bfloat16"), scale
     if not cache.quantizes_queries:
         return q, scale
     x = np.asarray(q, dtype=np.float32)

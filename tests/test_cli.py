@@ -67,8 +67,10 @@ def test_bench_bandwidth_and_decode(tmp_path, capsys):
     peaks = {r["kind"]: r for r in data["records"] if r["suite"] == "instruction-peak"}
     # int8 keys in float32 scored with an integer dot product on these paths
     dot = {"avx512vnni": "dpbusd", "avx512amx": "dpbusd", "avxvnni": "dpbusd",
-           "neondot": "sdot"}.get(pagedkv.simd_backend())
-    assert set(peaks) == {"fma_f32", "fma_f64"} | ({dot} if dot else set())
+           "avx512bf16": "dpbusd", "neondot": "sdot"}.get(pagedkv.simd_backend())
+    # ... and bfloat16 keys in float32 with vdpbf16ps on avx512bf16 (if the run stores bfloat16)
+    bf16 = {"dpbf16"} if pagedkv.simd_backend() == "avx512bf16" and "pagedkv-bf16" in kv_rows else set()
+    assert set(peaks) == {"fma_f32", "fma_f64"} | ({dot} if dot else set()) | bf16
     assert all(_positive_finite(r["lanes_per_s"]) and r["threads"] == 1 for r in peaks.values())
     l2 = [r for r in data["records"] if r["suite"] == "decode-l2"]
     assert sorted(r["dtype"] for r in l2) == ["float32", "float64"]

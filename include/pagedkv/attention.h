@@ -98,6 +98,26 @@ PKV_TARGET_END
 #else
 #define PKV_AMX_KERNELS avx512 /* a table entry for a path never offered */
 #endif
+
+/* ---- AVX-512 + VNNI + BF16: AVX-512 + VNNI's kernels, but bfloat16 keys in
+ * float32 scored with vdpbf16ps on a query rounded to bfloat16
+ * (attn_bf16dot.h); built where the compiler has the intrinsics
+ * (PKV_HAVE_AVX512BF16), else never offered ---------------------------------- */
+#if PKV_HAVE_AVX512BF16
+#define PKV_BF16_KERNELS avx512bf16
+#define PKV_T_F64 0
+#include "vocab_avx512.h"
+#define PKV_BF16_DOT 1
+#define PKV_DOT_TAG _f32_avx512bf16
+PKV_TARGET_BEGIN(PKV_AVX512BF16_TARGET)
+#include "attn_instances.h"
+PKV_TARGET_END
+#undef PKV_BF16_DOT
+#undef PKV_DOT_TAG
+#include "attn_vocab_end.h"
+#else
+#define PKV_BF16_KERNELS avx512 /* a table entry for a path never offered */
+#endif
 #endif /* PKV_X86 */
 
 #if PKV_ARM64
@@ -135,14 +155,14 @@ typedef struct {
 #define PKV_KERNELS(st, ct, isa) {decode_kv##st##_##ct##_##isa, prefill_kv##st##_##ct##_##isa}
 /* the vector paths built for this architecture, as designated entries
  * (the VNNI paths run the kernels of the path below them, but for int8 keys
- * in float32; the AMX path AVX-512 + VNNI's, but for bfloat16 keys in
- * float32) */
+ * in float32; the BF16 and AMX paths AVX-512 + VNNI's, but for bfloat16 keys
+ * in float32) */
 #if PKV_X86
-#define PKV_KERNELS_X86(st, ct, avx2, vnni256, avx512, vnni512, amx)                               \
+#define PKV_KERNELS_X86(st, ct, avx2, vnni256, avx512, vnni512, amx, bf16)                         \
     [PKV_SIMD_AVX2] = PKV_KERNELS(st, ct, avx2), [PKV_SIMD_AVXVNNI] = PKV_KERNELS(st, ct, vnni256), \
     [PKV_SIMD_AVX512] = PKV_KERNELS(st, ct, avx512), [PKV_SIMD_AVX512VNNI] = PKV_KERNELS(st, ct, vnni512), \
-    [PKV_SIMD_AVX512AMX] = PKV_KERNELS(st, ct, amx)
-#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512, avx512)
+    [PKV_SIMD_AVX512AMX] = PKV_KERNELS(st, ct, amx), [PKV_SIMD_AVX512BF16] = PKV_KERNELS(st, ct, bf16)
+#define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_X86(st, ct, avx2, avx2, avx512, avx512, avx512, avx512)
 #elif PKV_ARM64 && PKV_HAVE_NEONDOT
 #define PKV_KERNELS_ARM(st, ct, dot) [PKV_SIMD_NEON] = PKV_KERNELS(st, ct, neon), [PKV_SIMD_NEONDOT] = PKV_KERNELS(st, ct, dot)
 #define PKV_KERNELS_SIMD(st, ct) PKV_KERNELS_ARM(st, ct, neon)
@@ -161,7 +181,8 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
     [PKV_F64][PKV_F64] = PKV_KERNELS_ALL(f64, f64),
 #if PKV_X86
     [PKV_BF16][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(bf16, f32, scalar),
-                           PKV_KERNELS_X86(bf16, f32, avx2, avx2, avx512, avx512, PKV_AMX_KERNELS)},
+                           PKV_KERNELS_X86(bf16, f32, avx2, avx2, avx512, avx512, PKV_AMX_KERNELS,
+                                           PKV_BF16_KERNELS)},
 #else
     [PKV_BF16][PKV_F32] = PKV_KERNELS_ALL(bf16, f32),
 #endif
@@ -170,7 +191,7 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
     [PKV_F16][PKV_F64] = PKV_KERNELS_ALL(f16, f64),
 #if PKV_X86
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
-                         PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni, avx512vnni)},
+                         PKV_KERNELS_X86(i8, f32, avx2, avxvnni, avx512, avx512vnni, avx512vnni, avx512vnni)},
 #elif PKV_ARM64 && PKV_HAVE_NEONDOT
     [PKV_I8][PKV_F32] = {[PKV_SIMD_SCALAR] = PKV_KERNELS(i8, f32, scalar),
                          PKV_KERNELS_ARM(i8, f32, neondot)},
@@ -182,11 +203,11 @@ static const pkv_kernels pkv_kernel_table[PKV_NUM_DTYPES][PKV_NUM_COMPUTE][PKV_N
 
 /* 1 when path `simd` scores int8 keys in float32 with an integer dot
  * product (attn_dot.h): vpdpbusd of AVX2 + AVX-VNNI and AVX-512 + VNNI (also
- * on the AMX path, which runs AVX-512 + VNNI's int8 kernels), sdot of NEON +
- * dot product */
+ * on the BF16 and AMX paths, which run AVX-512 + VNNI's int8 kernels), sdot
+ * of NEON + dot product */
 static inline int pkv_simd_int8_dot(int simd) {
     return simd == PKV_SIMD_AVXVNNI || simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX ||
-           simd == PKV_SIMD_NEONDOT;
+           simd == PKV_SIMD_AVX512BF16 || simd == PKV_SIMD_NEONDOT;
 }
 
 /* 1 when the kernels of (storage, compute, simd) round the queries to int8 for
@@ -194,6 +215,14 @@ static inline int pkv_simd_int8_dot(int simd) {
  * attn_dot.h, in their instances, where pkv_dot_scores_apply says. */
 static inline int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope) {
     return storage == PKV_I8 && compute == PKV_F32 && pkv_simd_int8_dot(simd) &&
+           pkv_dot_scores_apply(bs, rope, pkv_simd_f32_lanes(simd));
+}
+
+/* 1 when the kernels of (storage, compute, simd) round the queries to
+ * bfloat16 for a pool of block size bs, with or without RoPE: bfloat16 keys
+ * scored with vdpbf16ps (attn_bf16dot.h), where pkv_dot_scores_apply says. */
+static inline int pkv_rounds_queries_bf16(int storage, int compute, int simd, int bs, int rope) {
+    return storage == PKV_BF16 && compute == PKV_F32 && simd == PKV_SIMD_AVX512BF16 &&
            pkv_dot_scores_apply(bs, rope, pkv_simd_f32_lanes(simd));
 }
 

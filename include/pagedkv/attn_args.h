@@ -228,7 +228,8 @@ static inline size_t pkv_qdot_ldq(int d) {
 }
 /* ... or staged for AMX tiles (attn_amx.h): three rows of bfloat16 values
  * per query row, d rounded up to 32, and room for a 16-row tile read from
- * the last row on */
+ * the last row on (which also holds the rows rounded to bfloat16 for
+ * vdpbf16ps, attn_bf16dot.h: one such row per query row) */
 static inline size_t pkv_qdot_bytes(int d) {
     const size_t i8 = (size_t)PKV_MAX_ROWS * (pkv_qdot_ldq(d) + 8 * ((size_t)(d + PKV_I8_GROUP - 1) / PKV_I8_GROUP));
     const size_t amx = ((size_t)PKV_MAX_ROWS * 3 + 16) * ((size_t)(d + 31) / 32 * 32) * 2;

@@ -57,6 +57,13 @@
 #define PKV_AMX_DEFAULTED
 #endif
 
+/* 1: bfloat16 keys scored with vdpbf16ps (attn_bf16dot.h; AVX-512 + VNNI +
+ * BF16, float32 compute) */
+#ifndef PKV_BF16_DOT
+#define PKV_BF16_DOT 0
+#define PKV_BDOT_DEFAULTED
+#endif
+
 #include "attn_tile.h"
 #include "attn_item.h"
 #include "attn_calls.h"
@@ -72,4 +79,8 @@
 #ifdef PKV_AMX_DEFAULTED
 #undef PKV_BF16_AMX
 #undef PKV_AMX_DEFAULTED
+#endif
+#ifdef PKV_BDOT_DEFAULTED
+#undef PKV_BF16_DOT
+#undef PKV_BDOT_DEFAULTED
 #endif

@@ -16,9 +16,11 @@
  * included before (attention.h: AVX-512 + VNNI on AVX-512's float32
  * instance, AVX2 + AVX-VNNI on AVX2's).  With PKV_BF16_AMX defined to 1 (and
  * PKV_DOT_TAG) only the bfloat16 kernels are, their keys scored in AMX tiles
- * (attn_amx.h), on AVX-512's float32 instance.
+ * (attn_amx.h), on AVX-512's float32 instance; with PKV_BF16_DOT defined to 1
+ * (and PKV_DOT_TAG) likewise, their keys scored with vdpbf16ps
+ * (attn_bf16dot.h).
  */
-#if defined(PKV_I8_DOT) || defined(PKV_BF16_AMX)
+#if defined(PKV_I8_DOT) || defined(PKV_BF16_AMX) || defined(PKV_BF16_DOT)
 #define PKV_ONE_STORAGE 1 /* the instance of one storage type on PKV_TAG's */
 #endif
 #define PKV_FN(name) PKV_CAT(name, PKV_TAG)
@@ -75,7 +77,7 @@
 #ifdef PKV_LD_BF16_PAIR /* the even or odd dimensions of two vectors (attn_tile.h) */
 #define PKV_SLOAD_PAIR(p, odd) PKV_LD_BF16_PAIR(p, odd)
 #endif
-#ifdef PKV_BF16_AMX
+#if defined(PKV_BF16_AMX) || defined(PKV_BF16_DOT)
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_DOT_TAG)
 #else
 #define PKV_KFN(name) PKV_CAT(PKV_CAT(name, _kvbf16), PKV_TAG)
@@ -101,7 +103,7 @@
 #undef PKV_S
 #endif /* !PKV_ONE_STORAGE */
 
-#ifndef PKV_BF16_AMX
+#if !defined(PKV_BF16_AMX) && !defined(PKV_BF16_DOT)
 /* int8 with a float32 scale per PKV_I8_GROUP values: PKV_SLOAD / PKV_SGET
  * read the raw integers, attn_impl.h applies the group scales */
 #define PKV_STORE_SCALED 1
@@ -119,7 +121,7 @@
 #undef PKV_SLOAD
 #undef PKV_S
 #undef PKV_STORE_SCALED
-#endif /* !PKV_BF16_AMX */
+#endif /* !PKV_BF16_AMX && !PKV_BF16_DOT */
 #undef PKV_CFN
 #undef PKV_LDSC
 

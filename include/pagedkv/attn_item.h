@@ -63,6 +63,10 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     /* the rows quantized once for the integer scores (keys scored as stored) */
     PKV_KFN(qrows_t) qd = {0};
     if (pkv_dot_scores_apply(bs, a->rope != NULL, PKV_W)) PKV_KFN(quantize_rows)(q, nq, d, qdot, &qd);
+#elif PKV_BF16_DOT
+    /* the rows rounded to bfloat16 once for the dot-product scores */
+    PKV_KFN(qrows_t) qd = {0};
+    if (pkv_dot_scores_apply(bs, a->rope != NULL, PKV_W)) PKV_KFN(round_rows)(q, nq, d, qdot, &qd);
 #elif PKV_BF16_AMX
     /* the rows staged once for the AMX scores, the tiles configured */
     PKV_KFN(qrows_t) qd = {q, NULL, 0};
@@ -217,7 +221,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                         kr.n = nk;
                         PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
                     } else if (bs >= PKV_W) {
-#if PKV_I8_DOT
+#if PKV_I8_DOT || PKV_BF16_DOT
                         const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh);
                         PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #elif PKV_BF16_AMX

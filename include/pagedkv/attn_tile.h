@@ -112,6 +112,9 @@
 #if PKV_I8_DOT
 #include "attn_dot.h"
 #define PKV_QVEC PKV_KFN(qrows_t)
+#elif PKV_BF16_DOT
+#include "attn_bf16dot.h"
+#define PKV_QVEC PKV_KFN(qrows_t)
 #else
 #define PKV_QVEC PKV_T
 typedef const PKV_T *PKV_KFN(qrow_t);
@@ -196,6 +199,9 @@ static inline PKV_KFN(qrow_t) PKV_KFN(qrow)(const PKV_T *q, int row, int d) { re
 
 #if PKV_I8_DOT /* the integer scores of attn_dot.h */
 PKV_REGISTER_TILES(PKV_DOT_MK, sc, PKV_SC_NV)
+#elif PKV_BF16_DOT /* the bfloat16 dot products of attn_bf16dot.h */
+PKV_REGISTER_TILES(PKV_BDOT_MK, sc, PKV_SC_NV)
+PKV_SIX_TILE(PKV_BDOT_MK, sc, PKV_SC_NV)
 #else
 PKV_REGISTER_TILES(PKV_SCORES_MK, sc, PKV_SC_NV)
 PKV_SIX_TILE(PKV_SCORES_MK, sc, PKV_SC_NV)
@@ -203,6 +209,9 @@ PKV_SIX_TILE(PKV_SCORES_MK, sc, PKV_SC_NV)
 #undef PKV_SCORES_MK
 #undef PKV_DOT_MK
 #undef PKV_DOT_STEP
+#undef PKV_BDOT_MK
+#undef PKV_BDOT_STEP
+#undef PKV_BDOT_ROUND
 #undef PKV_DI
 #undef PKV_DI_SET1
 #undef PKV_DI_ZERO

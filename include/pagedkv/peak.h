@@ -26,7 +26,12 @@
  * VNNI, 32 on AVX2 + AVX-VNNI.  PKV_PEAK_SDOT is its aarch64 counterpart
  * (sdot: signed bytes, 16 products per instruction).
  * Its chains start at lane k = k and add 4 * 1 * 1 each round (bytes 1 and
- * 1), an exact checksum too.  Callers select by kind.
+ * 1), an exact checksum too.  PKV_PEAK_DPBF16 is the bfloat16 dot product
+ * the bfloat16 scores of the AVX-512 + BF16 path are built on (vdpbf16ps:
+ * two products of bfloat16 pairs added into each float32 lane, 32 products
+ * per instruction); its chains start at lane k = k and add 1 * 1 + 1 * 1
+ * each round (exact while the lanes stay below 2^24).  Callers select by
+ * kind.
  *
  * Paths: x86-64 scalar / AVX2+FMA / AVX-512 through per-function target
  * attributes (no -m flags; the caller only runs a path pkv_simd_supported()
@@ -44,7 +49,8 @@ enum {
     PKV_PEAK_FMA_F64 = 1,
     PKV_PEAK_DPBUSD = 2, /* the VNNI paths only */
     PKV_PEAK_SDOT = 3,   /* NEON + dot product only */
-    PKV_NUM_PEAK_KINDS = 4
+    PKV_PEAK_DPBF16 = 4, /* the AVX-512 + BF16 path only */
+    PKV_NUM_PEAK_KINDS = 5
 };
 
 #define PKV_PEAK_CHAINS 12
@@ -163,6 +169,39 @@ PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avx512vnni, "avx512f,avx512bw,avx512vnni", __
                    _mm512_dpbusd_epi32, _mm512_set1_epi32, PKV_PK_LD512, PKV_PK_ST512)
 PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avxvnni, "avx2,avxvnni", __m256i, 8, _mm256_dpbusd_avx_epi32,
                    _mm256_set1_epi32, PKV_PK_LD256, PKV_PK_ST256)
+#if PKV_HAVE_AVX512BF16
+/* vdpbf16ps on float32 lanes, both operands bfloat16 pairs (1, 1): the
+ * chains' int32 stores and sums of PKV_PEAK_DEFINE_DP would misread float
+ * lanes, so the checksum is taken here in floating point */
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) PKV_PEAK_FN uint64_t
+pkv_peak_dpbf16_avx512bf16(int64_t iters, double a, double b, double *sum) {
+    (void)a;
+    (void)b;
+    float buf[PKV_PEAK_CHAINS * 16];
+    for (int k = 0; k < PKV_PEAK_CHAINS * 16; k++) buf[k] = (float)k;
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* bfloat16 1.0 */
+    __m512 c0 = _mm512_loadu_ps(buf), c1 = _mm512_loadu_ps(buf + 16), c2 = _mm512_loadu_ps(buf + 32),
+           c3 = _mm512_loadu_ps(buf + 48), c4 = _mm512_loadu_ps(buf + 64), c5 = _mm512_loadu_ps(buf + 80),
+           c6 = _mm512_loadu_ps(buf + 96), c7 = _mm512_loadu_ps(buf + 112), c8 = _mm512_loadu_ps(buf + 128),
+           c9 = _mm512_loadu_ps(buf + 144), c10 = _mm512_loadu_ps(buf + 160), c11 = _mm512_loadu_ps(buf + 176);
+    for (int64_t i = 0; i < iters; i++) {
+        c0 = _mm512_dpbf16_ps(c0, ones, ones); c1 = _mm512_dpbf16_ps(c1, ones, ones);
+        c2 = _mm512_dpbf16_ps(c2, ones, ones); c3 = _mm512_dpbf16_ps(c3, ones, ones);
+        c4 = _mm512_dpbf16_ps(c4, ones, ones); c5 = _mm512_dpbf16_ps(c5, ones, ones);
+        c6 = _mm512_dpbf16_ps(c6, ones, ones); c7 = _mm512_dpbf16_ps(c7, ones, ones);
+        c8 = _mm512_dpbf16_ps(c8, ones, ones); c9 = _mm512_dpbf16_ps(c9, ones, ones);
+        c10 = _mm512_dpbf16_ps(c10, ones, ones); c11 = _mm512_dpbf16_ps(c11, ones, ones);
+    }
+    const __m512 c[PKV_PEAK_CHAINS] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    double s = 0.0;
+    for (int j = 0; j < PKV_PEAK_CHAINS; j++) {
+        _mm512_storeu_ps(buf, c[j]);
+        for (int k = 0; k < 16; k++) s += (double)buf[k];
+    }
+    *sum = s;
+    return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 32 : 0;
+}
+#endif
 #undef PKV_PK_LD512
 #undef PKV_PK_ST512
 #undef PKV_PK_LD256
@@ -202,8 +241,12 @@ PKV_PEAK_DEFINE_DP(pkv_peak_sdot_neondot, "arch=armv8.2-a+dotprod", int32x4_t, 4
 static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     const int f64 = kind == PKV_PEAK_FMA_F64;
 #if PKV_X86
-    if (kind == PKV_PEAK_DPBUSD && (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX))
+    if (kind == PKV_PEAK_DPBUSD &&
+        (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16))
         return pkv_peak_dpbusd_avx512vnni;
+#if PKV_HAVE_AVX512BF16
+    if (kind == PKV_PEAK_DPBF16 && simd == PKV_SIMD_AVX512BF16) return pkv_peak_dpbf16_avx512bf16;
+#endif
     if (kind == PKV_PEAK_DPBUSD && simd == PKV_SIMD_AVXVNNI) return pkv_peak_dpbusd_avxvnni;
 #endif
 #if PKV_ARM64 && PKV_HAVE_NEONDOT
@@ -228,6 +271,7 @@ static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
     if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVXVNNI ? 32 : 64;
     if (kind == PKV_PEAK_SDOT) return 16;
+    if (kind == PKV_PEAK_DPBF16) return 32;
     const int w = pkv_simd_f32_lanes(simd); /* float64: half as many, scalar 1 */
     return kind == PKV_PEAK_FMA_F64 && w > 1 ? w / 2 : w;
 }

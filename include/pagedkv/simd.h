@@ -5,11 +5,13 @@
  * binary runs on any CPU of its architecture and picks its path at import.
  *
  * x86-64: scalar, AVX2+FMA, AVX2 with AVX-VNNI, AVX-512, AVX-512 with
- * VNNI, and AVX-512 with VNNI and AMX-BF16, compiled with per-function
- * target pragmas.  The VNNI paths run the kernels of the path below them,
- * except that int8 keys in float32 are scored with the integer dot product
- * vpdpbusd (attn_dot.h); the AMX path runs AVX-512 + VNNI's kernels, except
- * that bfloat16 keys in float32 are scored in AMX tiles (attn_amx.h).  AMX
+ * VNNI, AVX-512 with VNNI and AVX512_BF16, and AVX-512 with VNNI and
+ * AMX-BF16, compiled with per-function target pragmas.  The VNNI paths run
+ * the kernels of the path below them, except that int8 keys in float32 are
+ * scored with the integer dot product vpdpbusd (attn_dot.h); the BF16 and
+ * AMX paths run AVX-512 + VNNI's kernels, except that bfloat16 keys in
+ * float32 are scored with vdpbf16ps on a query rounded to bfloat16
+ * (attn_bf16dot.h) or in AMX tiles (attn_amx.h).  AMX
  * needs the OS's leave to use its tile state: on Linux, granted per process
  * by arch_prctl(ARCH_REQ_XCOMP_PERM), asked once here; where it is refused
  * (or the OS is not Linux) the path is not offered.
@@ -37,10 +39,11 @@ enum {
     PKV_SIMD_AVXVNNI = 5,    /* AVX2 + AVX-VNNI (256-bit vpdpbusd, no AVX-512) */
     PKV_SIMD_NEONDOT = 6,    /* NEON + the dot product extension (sdot) */
     PKV_SIMD_AVX512AMX = 7,  /* AVX-512 + AVX512_VNNI + AMX-TILE + AMX-BF16 */
-    PKV_NUM_SIMD = 8
+    PKV_SIMD_AVX512BF16 = 8, /* AVX-512 + AVX512_VNNI + AVX512_BF16 */
+    PKV_NUM_SIMD = 9
 };
 /* their names (PAGEDKV_SIMD), indexed by PKV_SIMD_*: an initializer */
-#define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx"}
+#define PKV_SIMD_NAMES {"scalar", "avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx", "avx512bf16"}
 
 /* CPU vendors (pkv_cpu_vendor) */
 enum { PKV_CPU_OTHER = 0, PKV_CPU_INTEL = 1, PKV_CPU_AMD = 2 };
@@ -56,6 +59,12 @@ enum { PKV_CPU_OTHER = 0, PKV_CPU_INTEL = 1, PKV_CPU_AMD = 2 };
 #define PKV_HAVE_AMX 1
 #else
 #define PKV_HAVE_AMX 0
+#endif
+/* ... and the AVX512_BF16 path (its intrinsics: GCC 10, clang 9 on) */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define PKV_HAVE_AVX512BF16 1
+#else
+#define PKV_HAVE_AVX512BF16 0
 #endif
 
 /* Ask the OS for the AMX tile data state (Linux 5.16 on: a process must
@@ -116,6 +125,7 @@ static inline unsigned pkv_x86_paths(void) {
             unsigned a1, b1, c1, d1;
             __cpuid_count(7, 1, a1, b1, c1, d1);
             const int avxvnni = (a1 >> 4) & 1; /* AVX-VNNI (VEX-encoded vpdpbusd) */
+            const int bf16 = (a1 >> 5) & 1;    /* AVX512_BF16 (vdpbf16ps) */
             /* AMX-BF16 and AMX-TILE (leaf 7 edx bits 22, 24), the OS saving
              * the tile config and data (XCR0 bits 17, 18) */
             const int amx = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
@@ -124,6 +134,7 @@ static inline unsigned pkv_x86_paths(void) {
                 if (avxvnni) paths |= 1u << PKV_SIMD_AVXVNNI;
                 if (avx512) paths |= 1u << PKV_SIMD_AVX512;
                 if (avx512 && vnni512) paths |= 1u << PKV_SIMD_AVX512VNNI;
+                if (PKV_HAVE_AVX512BF16 && avx512 && vnni512 && bf16) paths |= 1u << PKV_SIMD_AVX512BF16;
                 if (PKV_HAVE_AMX && avx512 && vnni512 && amx && pkv_amx_permitted())
                     paths |= 1u << PKV_SIMD_AVX512AMX;
             }
@@ -133,10 +144,10 @@ static inline unsigned pkv_x86_paths(void) {
     return paths;
 }
 
-/* Best SIMD path this CPU and OS can run: AVX-512 (+ VNNI, + AMX) before
- * AVX2 (+ AVX-VNNI). */
+/* Best SIMD path this CPU and OS can run: AVX-512 (+ VNNI, + BF16 or AMX)
+ * before AVX2 (+ AVX-VNNI). */
 static inline int pkv_detect_simd(void) {
-    static const int order[] = {PKV_SIMD_AVX512AMX, PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI,
+    static const int order[] = {PKV_SIMD_AVX512AMX, PKV_SIMD_AVX512BF16, PKV_SIMD_AVX512VNNI, PKV_SIMD_AVX512, PKV_SIMD_AVXVNNI,
                                 PKV_SIMD_AVX2};
     const unsigned paths = pkv_x86_paths();
     for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
@@ -199,12 +210,13 @@ static inline int pkv_simd_supported(int simd) {
 
 /* The path whose kernels path `simd` shares outside the int8 and bfloat16
  * scores (the read, linear and peak helpers of AVX-512 + VNNI and of
- * AVX-512 + AMX are AVX-512's, those of AVX2 + AVX-VNNI AVX2's, those of NEON
+ * AVX-512 + BF16 and of AVX-512 + AMX are AVX-512's, those of AVX2 + AVX-VNNI AVX2's, those of NEON
  * + dot product NEON's). */
 static inline int pkv_simd_base(int simd) {
     switch (simd) {
     case PKV_SIMD_AVX512VNNI: return PKV_SIMD_AVX512;
     case PKV_SIMD_AVX512AMX: return PKV_SIMD_AVX512;
+    case PKV_SIMD_AVX512BF16: return PKV_SIMD_AVX512;
     case PKV_SIMD_AVXVNNI: return PKV_SIMD_AVX2;
     case PKV_SIMD_NEONDOT: return PKV_SIMD_NEON;
     default: return simd;

@@ -16,6 +16,8 @@
 #define PKV_AVX512_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c"
 /* AVX-512 + VNNI (attention.h): the int8 scores' vpdpbusd */
 #define PKV_AVX512VNNI_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni"
+/* AVX-512 + VNNI + BF16 (attention.h): the bfloat16 scores' vdpbf16ps */
+#define PKV_AVX512BF16_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni,avx512bf16"
 /* AVX-512 + VNNI + AMX (attention.h): the bfloat16 scores' tdpbf16ps */
 #define PKV_AVX512AMX_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni,amx-tile,amx-bf16"
 

@@ -453,9 +453,12 @@ def peak_kind(dtype: str) -> str:
 def peak_kinds(cache, dtype: str) -> Tuple[str, str]:
     """The instructions of (scores, P.V) of `cache`'s decode: the compute type's
     FMA for both, except where the cache scores int8 keys with an integer dot
-    product (cache.quantizes_queries): vpdpbusd on the avx512vnni, avx512amx and avxvnni
-    paths, sdot on neondot."""
+    product (cache.quantizes_queries): vpdpbusd on the avx512vnni, avx512bf16, avx512amx and
+    avxvnni paths, sdot on neondot; or bfloat16 keys with vdpbf16ps
+    (cache.rounds_queries_bf16, the avx512bf16 path)."""
     fma = peak_kind(dtype)
+    if cache.rounds_queries_bf16:
+        return "dpbf16", fma
     if not cache.quantizes_queries:
         return fma, fma
     from pagedkv import simd_backend
@@ -589,7 +592,7 @@ def _peak_line(recs: List[dict]) -> str:
     return (f"Instruction peaks of one core ({peaks[0]['simd']} path, 1 thread, best of short "
             "runs of 12 independent chains): "
             + ", ".join(f"{r['kind']} {fmt_num(r['lanes_per_s'] / 1e9)} G lanes/s"
-                        for r in peaks) + " (dpbusd, sdot: byte products).")
+                        for r in peaks) + " (dpbusd, sdot: byte products; dpbf16: bfloat16 products).")
 
 
 def _l2_head(r0: dict) -> str:

@@ -204,7 +204,7 @@ def prompt_kernel_default(dtype: str, kv_dtype: Optional[str] = None) -> bool:
     prompt's own: left to torch), and 16-bit models and NEON were not compared
     (docs/performance.md)."""
     return (dtype in ("float32", "float64") and kv_dtype in (None, dtype)
-            and simd_backend() in ("avx512", "avx512vnni", "avx512amx"))
+            and simd_backend() in ("avx512", "avx512vnni", "avx512bf16", "avx512amx"))
 
 
 def _blocks_by_budget(num_blocks, kv_cache_bytes, groups, block_size, num_kv_heads, head_dim,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tests/c/test_kernels.c (with fixture.c) and runs it on every SIMD path it can reach:
 #   native    with $CC (default cc): scalar, and AVX2 / AVX-VNNI / AVX-512 / AVX-512 VNNI /
-#             AVX-512 AMX where this CPU has them; then again with the prefetch stream forced into L2
+#             AVX-512 BF16 / AVX-512 AMX where this CPU has them; then again with the prefetch stream forced into L2
 #             two units ahead (with decode's K units prefetching their rows into L1) and into L1
 #             one unit ahead (with two decode items a thread)
 #   aarch64   cross-compiled static with aarch64-linux-gnu-gcc and run under
@@ -42,6 +42,7 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo
     require+=(--require avx512)
     if grep -qw avx512_vnni /proc/cpuinfo; then
         require+=(--require avx512vnni)
+        if grep -qw avx512_bf16 /proc/cpuinfo; then require+=(--require avx512bf16); fi
         # AMX: the kernel lists amx_tile / amx_bf16 only where it supports them (Linux)
         if grep -qw amx_tile /proc/cpuinfo && grep -qw amx_bf16 /proc/cpuinfo; then
             require+=(--require avx512amx)

@@ -18,8 +18,10 @@
  * rtol * max|v|, rtol 1e-5 for f32 and 1e-12 for f64; the reference runs
  * in double.  The AVX-512 + VNNI path scores int8 keys (float32 compute,
  * no RoPE, blocks of at least 16 keys) against the query quantized per group
- * of 32 dimensions (attn_dot.h): its reference replays that quantization,
- * to the same tolerance.
+ * of 32 dimensions (attn_dot.h), and the AVX-512 + BF16 path scores
+ * bfloat16 keys the same way against the query rounded to bfloat16
+ * (attn_bf16dot.h): their references replay that rounding, to the same
+ * tolerance.
  *
  * Usage: test_kernels [--trials N] [--seed S] [--require PATH]...
  * Exit status 0 when every check passed and every required path ran.
@@ -87,10 +89,22 @@ static void quantize_query(double *qv, int d) {
     }
 }
 
+/* 1 when path simd scores the keys of (storage, compute) against a rounded
+ * query: int8 steps (quantize_query) or bfloat16 (round_query_bf16) */
+static int rounds_query(int st, int dt, int simd, int bs, int rope) {
+    return pkv_quantizes_queries(st, dt, simd, bs, rope) || pkv_rounds_queries_bf16(st, dt, simd, bs, rope);
+}
+
+/* A float32 query vector rounded to bfloat16, to nearest even (attn_bf16dot.h) */
+static void round_query_bf16(double *qv, int d) {
+    for (int i = 0; i < d; i++) qv[i] = (double)pkv_bf16_to_f32(pkv_f32_to_bf16((float)qv[i]));
+}
+
 /* out [hq][d] for query q [hq][d] (at element qoff) of sequence s at rank
  * lim (sees ranks 0..lim, or (lim - window, lim]) with keys k from ref_keys;
- * *vmax = max |v| over what it reads.  quant: the query as quantize_query
- * leaves it. */
+ * *vmax = max |v| over what it reads.  quant: the query as the paths of
+ * rounds_query see it (quantize_query for int8 keys, round_query_bf16 for
+ * bfloat16 keys). */
 static void ref_one(const config *c, int s, int layer, const double *k, const void *q, size_t qoff,
                     int64_t lim, double scale, const opts_t *o, int quant, double *out, double *vmax) {
     const int d = c->d, gsz = c->hq / c->hkv;
@@ -101,7 +115,8 @@ static void ref_one(const config *c, int s, int layer, const double *k, const vo
         const int kh = h / gsz;
         for (int j = 0; j < d; j++) qv[j] = get(q, qoff + (size_t)h * d + j, c->dt);
         if (c->rope_half) ref_rope(c, qv, lim);
-        if (quant) quantize_query(qv, d);
+        if (quant && c->st == PKV_BF16) round_query_bf16(qv, d);
+        else if (quant) quantize_query(qv, d);
         double mx = -INFINITY;
         const int64_t lo = o->window > 0 && lim - o->window + 1 > 0 ? lim - o->window + 1 : 0;
         for (int64_t r = lo; r <= lim; r++) {
@@ -253,12 +268,13 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
     for (int h = 0; h < c->hq; h++) sinks[h] = 2 * rnd_normal();
     if (rnd_int(0, 1)) o.sinks = sinks;
 
-    /* references; [1]: the quantized query, for the paths that score int8 keys
-     * with an integer dot product (attn_dot.h: float32 compute, no RoPE,
-     * blocks of at least one vector of keys) */
+    /* references; [1]: the rounded query, for the paths that score int8 keys
+     * with an integer dot product (attn_dot.h) or bfloat16 keys with vdpbf16ps
+     * (attn_bf16dot.h): float32 compute, no RoPE, blocks of at least one
+     * vector of keys */
     int qdot = 0;
     for (int simd = 0; simd < PKV_NUM_SIMD; simd++)
-        qdot |= pkv_quantizes_queries(c->st, dt, simd, c->bs, c->rope_half);
+        qdot |= rounds_query(c->st, dt, simd, c->bs, c->rope_half);
     void *qd = xalloc((size_t)c->nseq * row * c->item);
     for (size_t i = 0; i < (size_t)c->nseq * row; i++) put(qd, i, dt, rnd_normal());
     double *refd[2] = {malloc(sizeof(double) * (size_t)c->nseq * row),
@@ -299,7 +315,7 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
         if (!pkv_simd_supported(simd) || !kern) continue;
         const int base = pkv_simd_base(simd);
         if (base != simd && kern->decode == pkv_kernels_for(c->st, dt, base)->decode) continue;
-        const int qz = pkv_quantizes_queries(c->st, dt, simd, c->bs, c->rope_half);
+        const int qz = rounds_query(c->st, dt, simd, c->bs, c->rope_half);
         for (int nt = 1; nt <= max_threads; nt++) {
             pkv_attn_args a;
             fill_args(c, &a, layer, qd, out, scale, nt, scratch, stride, partial, partial_slots, &rope);

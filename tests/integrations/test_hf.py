@@ -75,7 +75,8 @@ def test_fresh_prompt_attention_is_torchs_over_its_own_kv(models):
         paged_cache(ours, num_blocks=8, prompt_attention="sdpa")
 
 
-@pytest.mark.parametrize("backend, kernel", [("avx512amx", True), ("avx512vnni", True), ("avx512", True),
+@pytest.mark.parametrize("backend, kernel", [("avx512amx", True), ("avx512bf16", True),
+                                             ("avx512vnni", True), ("avx512", True),
                                              ("avx2", False), ("avxvnni", False),
                                              ("neon", False), ("scalar", False)])
 def test_auto_prompt_attention_picks_the_kernel_on_avx512(models, monkeypatch, backend, kernel):

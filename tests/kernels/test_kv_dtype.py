@@ -266,7 +266,7 @@ def test_accuracy_against_the_exact_reference(rng, kv_dtype, dtype, outliers):
 
 # the SIMD paths that score int8 keys in float32 with an integer dot product, and their key
 # vectors' width (include/pagedkv/attention.h: pkv_simd_int8_dot, pkv_dot_scores_apply)
-INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16, "avx512amx": 16, "neondot": 4}
+INT8_DOT_LANES = {"avxvnni": 8, "avx512vnni": 16, "avx512amx": 16, "avx512bf16": 16, "neondot": 4}
 
 QUANTIZE_CASES = [  # kv_dtype, dtype, block_size, rope: int8 keys on an integer dot product or not
     ("int8", "float32", 16, False), ("int8", "float32", 64, False), ("int8", "float32", 8, False),
@@ -301,8 +301,45 @@ def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ro
         assert_attention_close(out, rounded, dtype, vg)
         with pytest.raises(AssertionError):
             assert_attention_close(out, plain, dtype, vg)
-    else:
-        assert_attention_close(out, plain, dtype, vg)
+    else:  # the query as given, or rounded to bfloat16 (avx512bf16, bfloat16 keys)
+        assert_attention_close(out, rounded if c.rounds_queries_bf16 else plain, dtype, vg)
+
+
+BF16_ROUND_CASES = [  # kv_dtype, dtype, block_size, rope: bfloat16 keys scored with vdpbf16ps or not
+    ("bfloat16", "float32", 16, False), ("bfloat16", "float32", 64, False),
+    ("bfloat16", "float32", 8, False), ("bfloat16", "float32", 16, True),
+    ("bfloat16", "float64", 16, False), ("float16", "float32", 16, False),
+    ("int8", "float32", 16, False),
+]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,bs,rope", BF16_ROUND_CASES)
+def test_rounds_queries_bf16_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, rope):
+    """cache.rounds_queries_bf16 is True exactly on the avx512bf16 path for bfloat16 keys in
+    float32 (blocks of at least 16 keys, no RoPE); then the output matches the reference with
+    the query rounded to bfloat16 and not the one with the query as given (the difference is far
+    beyond float32's tolerance, so the check can tell), otherwise the reverse."""
+    c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,
+               rope=pagedkv.RoPE(10000.0) if rope else None)
+    want = (pagedkv.simd_backend() == "avx512bf16" and kv_dtype == "bfloat16" and dtype == "float32"
+            and bs >= 16 and not rope)
+    assert c.rounds_queries_bf16 is want
+    if rope:
+        return  # the reference would need the rotation; the claim above is what this case checks
+    sid = c.add_sequence()
+    c.append(sid, random_tokens(rng, 300, 2, 96, dtype), random_tokens(rng, 300, 2, 96, dtype))
+    kg, vg = c.gather(sid)
+    q = random_tokens(rng, 5, 8, 96, dtype)
+    qs, sc = query_as_scored(c, q, math_scale(96))
+    rounded = ref_attention(qs, kg, vg, sc, 295)
+    plain = ref_attention(q, kg, vg, math_scale(96), 295)
+    for out, n in ((c.attend(sid, q), 5), (c.attend_batch([sid], q[-1:]), 1)):  # prefill, decode
+        if want:
+            assert_attention_close(out, rounded[-n:], dtype, vg)
+            with pytest.raises(AssertionError):
+                assert_attention_close(out, plain[-n:], dtype, vg)
+        elif not c.quantizes_queries:
+            assert_attention_close(out, plain[-n:], dtype, vg)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

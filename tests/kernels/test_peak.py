@@ -12,10 +12,11 @@ KINDS = ("fma_f32", "fma_f64")
 CHAINS = 12  # PKV_PEAK_CHAINS in peak.h
 # lanes per register of each path: (f32, f64)
 WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
-         "avx512vnni": (16, 8), "avxvnni": (8, 4), "neondot": (4, 2), "avx512amx": (16, 8)}  # FMA loops: the base path's
+         "avx512vnni": (16, 8), "avxvnni": (8, 4), "neondot": (4, 2), "avx512amx": (16, 8),
+         "avx512bf16": (16, 8)}  # FMA loops: the base path's
 # (kind, int32 lanes per register) of each path's integer dot probe (4 byte products a lane)
 DOT_PROBE = {"avx512vnni": ("dpbusd", 16), "avxvnni": ("dpbusd", 8), "neondot": ("sdot", 4),
-             "avx512amx": ("dpbusd", 16)}
+             "avx512amx": ("dpbusd", 16), "avx512bf16": ("dpbusd", 16)}
 PATHS = pagedkv.simd_supported()
 
 
@@ -81,8 +82,24 @@ def test_dot_probe_counts_its_products(simd, threads):
     assert math.isfinite(rate) and rate > 0
 
 
+@pytest.mark.skipif("avx512bf16" not in PATHS, reason="needs AVX512_BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_dot_probe_counts_its_products(threads):
+    """vdpbf16ps chains: 2 bfloat16 products per float32 lane (32 per instruction), 12 chains;
+    lane k starts at k and gains 1 * 1 + 1 * 1 a round, so the lanes sum to an exact checksum."""
+    for iters in (0, 1, 2, 17):
+        lanes, total = _fma_probe("dpbf16", simd="avx512bf16", iters=iters, threads=threads)
+        assert lanes == threads * CHAINS * 32 * iters
+        assert total == threads * sum(k + 2 * iters for k in range(CHAINS * 16))
+    rate = instruction_peak("dpbf16", simd="avx512bf16", threads=1, seconds=0.005, repeats=3)
+    assert math.isfinite(rate) and rate > 0
+
+
 def test_dot_probes_only_on_their_paths():
     for simd in PATHS:
+        if simd != "avx512bf16":
+            with pytest.raises(ValueError, match="no dpbf16 probe"):
+                instruction_peak("dpbf16", simd=simd)
         for kind in ("dpbusd", "sdot"):
             if DOT_PROBE.get(simd, (None,))[0] != kind:
                 with pytest.raises(ValueError, match=f"no {kind} probe"):
@@ -92,7 +109,7 @@ def test_dot_probes_only_on_their_paths():
 def test_bad_arguments_raise_value_error():
     missing = [s for s in WIDTH if s not in PATHS]  # neon on x86-64, the x86 paths elsewhere
     assert missing
-    bad = [dict(kind="fma_f16"), dict(kind="dpbf16"), dict(kind=None), dict(kind=0),
+    bad = [dict(kind="fma_f16"), dict(kind="dpbf8"), dict(kind=None), dict(kind=0),
            dict(simd="sse2"), dict(simd="AVX2"), dict(simd=1), dict(simd=missing[0]),
            dict(threads=0), dict(threads=-2),
            dict(seconds=0), dict(seconds=-1.0), dict(seconds=float("nan")),

@@ -45,9 +45,12 @@ if platform.machine().lower() in ("aarch64", "arm64"):
         SUPPORTED.append("neondot")  # the dot product extension (built by GCC on Linux)
 if "avx512" in SUPPORTED and "avx512_vnni" in FLAGS:
     SUPPORTED.append("avx512vnni")  # AVX-512 with int8 keys scored by vpdpbusd
+    if "avx512_bf16" in FLAGS:
+        SUPPORTED.append("avx512bf16")  # ... and bfloat16 keys scored by vdpbf16ps
     if {"amx_tile", "amx_bf16"} <= FLAGS and sys.platform.startswith("linux"):
         SUPPORTED.append("avx512amx")  # ... and bfloat16 keys scored in AMX tiles
-UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx")
+UNSUPPORTED = [name for name in ("avx2", "avx512", "neon", "avx512vnni", "avxvnni", "neondot", "avx512amx",
+                                    "avx512bf16")
                if name not in SUPPORTED]
 
 SCRIPT = textwrap.dedent(
@@ -94,7 +97,8 @@ SCRIPT = textwrap.dedent(
 
 # int8 or bfloat16 keys (KV_DTYPE) in float32 on the forced path: decode and prefill against the
 # reference on the stored values, with the query as that path scores it (query_as_scored:
-# rounded to int8 on the integer dot paths for int8 keys; as given otherwise: the AMX scores of
+# rounded to int8 on the integer dot paths for int8 keys, to bfloat16 on avx512bf16 for
+# bfloat16 keys where blocks hold 16 keys or more; as given otherwise: the AMX scores of
 # bfloat16 keys on avx512amx, where a tile has more than 4 query rows of a head and blocks hold
 # 16 keys, keep the query's float32 precision) and float32's tolerance; every output saved
 # where OUT_NPZ says, so paths can be compared with each other
