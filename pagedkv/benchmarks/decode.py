@@ -46,7 +46,9 @@ The arithmetic ceiling, measured once per run (1 thread, whatever --threads):
   lanes per second of one core on the active SIMD path (include/pagedkv/
   peak.h: 12 independent FMA chains, best of short runs); kind ``fma_f32``
   for f32 compute, ``fma_f64`` for f64 (bf16 / f16 / int8 storage is widened
-  on load and folded with the compute type's FMAs).
+  on load and folded with the compute type's FMAs), and the dot instruction of
+  the scores where the path has one (``dpbusd`` / ``sdot`` for int8 keys,
+  ``dpbf16`` for bf16 keys on avx512bf16: peak_kinds).
 * ``decode in L2``: B=1, the suite's heads, L sized so that the stored K+V
   is about half of this core's L2 (read from sysfs, else 1 MiB assumed), one
   configuration per storage dtype, timed like the rest.  FMA lanes/s =
@@ -603,7 +605,8 @@ def _l2_head(r0: dict) -> str:
             "stored K or V element); %peak = the time the scores and P.V\nwould take at the peak "
             "of the instruction each is built on / the time taken: the FMA of the compute type "
             "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the integer dot paths, "
-            "scored with vpdpbusd or sdot against the query rounded to int8.")
+            "scored with vpdpbusd or sdot against the query rounded to int8,\nand bf16 keys on the "
+            "avx512bf16 path, scored with vdpbf16ps (dpbf16) against the query rounded to bf16.")
 
 
 def _l2_rows(r: dict) -> List[List[str]]:
