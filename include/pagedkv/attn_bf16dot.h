@@ -120,10 +120,7 @@ static inline __m512i PKV_KFN(kpair)(const uint16_t *p, size_t stride) {
         ptrdiff_t i = 0;                                                                          \
         for (; i + 2 * PKV_BDOT_ROUND(DS) <= d2; i += 2 * PKV_BDOT_ROUND(DS)) {                   \
             PKV_PFS_STEP(PKV_BDOT_ROUND(DS) * (NV))                                               \
-            if (l1k_)                                                                             \
-                for (int u = 0; u < 2 * PKV_BDOT_ROUND(DS); u++)                                  \
-                    for (int v = 0; v < NV; v++)                                                  \
-                        __builtin_prefetch(kp[v] + (size_t)(i + u + 2 * PKV_L1K_AHEAD) * stride, 0, 3); \
+            PKV_L1K_ROWS(l1k_, kp, NV, i + 2 * PKV_L1K_AHEAD, 2 * PKV_BDOT_ROUND(DS), 1, stride)   \
             for (int u = 0; u < PKV_BDOT_ROUND(DS); u++)                                          \
                 PKV_BDOT_STEP(acc[u % (DS)], R, NV, i + 2 * u, PKV_KFN(kpair)(kp[v] + (size_t)(i + 2 * u) * stride, stride)) \
         }                                                                                         \

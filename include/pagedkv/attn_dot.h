@@ -265,11 +265,7 @@ static inline int32_t PKV_KFN(q4)(const int8_t *p) {
             ptrdiff_t i = i0;                                                                      \
             for (; i + 4 * DS <= i1; i += 4 * DS) {                                                \
                 PKV_PFS_STEP((DS) * (NV))                                                          \
-                if (l1k_)                                                                          \
-                    for (int u = 0; u < DS; u++)                                                   \
-                        for (int v = 0; v < NV; v++)                                               \
-                            __builtin_prefetch(kp[v] + (size_t)(i + 4 * (u + PKV_L1K_AHEAD)) * stride, \
-                                               0, 3);                                              \
+                PKV_L1K_ROWS(l1k_, kp, NV, i + 4 * PKV_L1K_AHEAD, DS, 4, stride)                    \
                 for (int u = 0; u < DS; u++) PKV_DOT_STEP(acc[u], R, NV, i + 4 * u)                \
             }                                                                                      \
             for (; i < i1; i += 4) PKV_DOT_STEP(acc[0], R, NV, i)                                  \

@@ -75,10 +75,7 @@
 #define PKV_SC_SWEEP(acc, R, NV, NS, k, end, l1k)                                               \
     for (; k + PKV_MK_ROUND(NS) <= (end); k += PKV_MK_ROUND(NS)) {                             \
         PKV_PFS_STEP(PKV_PF_STEP_LINES(PKV_MK_ROUND(NS) * (NV)))                               \
-        if (l1k)                                                                               \
-            for (int u = 0; u < PKV_MK_ROUND(NS); u++)                                         \
-                for (int v = 0; v < (NV); v++)                                                 \
-                    __builtin_prefetch(kp[v] + (size_t)(k + u + PKV_L1K_AHEAD) * stride, 0, 3); \
+        PKV_L1K_ROWS(l1k, kp, NV, k + PKV_L1K_AHEAD, PKV_MK_ROUND(NS), 1, stride)              \
         for (int u = 0; u < PKV_MK_ROUND(NS); u++)                                             \
             PKV_MK_STEP((acc)[u % (NS)], R, NV, PKV_SC_K, PKV_SC_Q, k + u)                     \
     }                                                                                          \

@@ -90,8 +90,8 @@ static inline int pkv_pf_into_l2(void) {
 
 /* Whether decode calls too small for the K units' stream (PKV_PF_K_MIN_BYTES)
  * but at least PKV_L1K_MIN_BYTES (attn_args.h) prefetch each K unit's own K^T
- * rows into L1, PKV_L1K_AHEAD steps of the score tile ahead (attn_tile.h:
- * PKV_SC_SWEEP; attn_dot.h's integer tile likewise): on Intel, where the
+ * rows into L1, PKV_L1K_AHEAD steps of the score tile ahead (PKV_L1K_ROWS
+ * below, in every score tile): on Intel, where the
  * score tile otherwise waits on L2 and L3 for its several K^T rows at once.
  * Measured on an Intel Xeon (AMX class; Hq=32 Hkv=8 D=128, block size 16,
  * alternated builds, medians of 4-5 rounds), B=1, a call per layer in turn:
@@ -113,6 +113,17 @@ static inline int pkv_pf_l1k(void) {
     return pkv_pf_cpu(&family) == PKV_CPU_INTEL;
 #endif
 }
+
+/* That prefetch in a score tile's loop: where `on`, K^T rows first,
+ * first + step, ... (n of them) of each of the NV key vectors kp[v], rows
+ * `stride` items apart, into L1.  One text for the float, integer and
+ * bfloat16 score tiles (attn_tile.h, attn_dot.h, attn_bf16dot.h), each
+ * passing its own rows PKV_L1K_AHEAD steps ahead. */
+#define PKV_L1K_ROWS(on, kp, NV, first, n, step, stride)                                      \
+    if (on)                                                                                   \
+        for (int l1k_u_ = 0; l1k_u_ < (n); l1k_u_++)                                          \
+            for (int l1k_v_ = 0; l1k_v_ < (NV); l1k_v_++)                                     \
+                __builtin_prefetch((kp)[l1k_v_] + (size_t)((first) + (step) * l1k_u_) * (stride), 0, 3);
 
 /* Units the stream runs ahead of the one being read where it takes every
  * unit (decode calls that prefetch their K units too, attn_args.h): two on
