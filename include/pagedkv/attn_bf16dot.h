@@ -98,13 +98,10 @@ static inline __m512i PKV_KFN(kpair)(const uint16_t *p, size_t stride) {
     return _mm512_permutex2var_epi16(a, _mm512_loadu_si512((const void *)two), b);
 }
 
-/* the pair steps of a round (as PKV_MK_ROUND in attn_tile.h: at least 4,
- * one prefetch check per round) */
-#define PKV_BDOT_ROUND(DS) ((DS) < 2 ? 4 : 2 * (DS))
-
 /* Scores of R rows x NV key vectors (as PKV_SCORES_MK in attn_tile.h): q the
  * rows (bfloat16 pairs), e the key vectors (bfloat16 K^T), results to
- * out[r * NV + v].  DS independent sets over alternate pairs of dimensions. */
+ * out[r * NV + v].  DS independent sets over alternate pairs of dimensions,
+ * PKV_MK_ROUND(DS) pairs a round (attn_tile.h's sweeps' rounds). */
 #define PKV_BDOT_MK(NAME, R, NV, DS, PF)                                                          \
     static inline void PKV_KFN(NAME)(const PKV_KFN(qrow_t) *q, const pkv_kvec *e, size_t stride,  \
                                      int d, PKV_VEC *out, pkv_pfs *ps) {                          \
@@ -118,10 +115,10 @@ static inline __m512i PKV_KFN(kpair)(const uint16_t *p, size_t stride) {
         PKV_PFS_BEGIN(PF ? ps : NULL)                                                             \
         const int l1k_ = ps != NULL && ps->l1k; /* as attn_tile.h's PKV_SC_SWEEP */               \
         ptrdiff_t i = 0;                                                                          \
-        for (; i + 2 * PKV_BDOT_ROUND(DS) <= d2; i += 2 * PKV_BDOT_ROUND(DS)) {                   \
-            PKV_PFS_STEP(PKV_BDOT_ROUND(DS) * (NV))                                               \
-            PKV_L1K_ROWS(l1k_, kp, NV, i + 2 * PKV_L1K_AHEAD, 2 * PKV_BDOT_ROUND(DS), 1, stride)   \
-            for (int u = 0; u < PKV_BDOT_ROUND(DS); u++)                                          \
+        for (; i + 2 * PKV_MK_ROUND(DS) <= d2; i += 2 * PKV_MK_ROUND(DS)) {                   \
+            PKV_PFS_STEP(PKV_MK_ROUND(DS) * (NV))                                               \
+            PKV_L1K_ROWS(l1k_, kp, NV, i + 2 * PKV_L1K_AHEAD, 2 * PKV_MK_ROUND(DS), 1, stride)   \
+            for (int u = 0; u < PKV_MK_ROUND(DS); u++)                                          \
                 PKV_BDOT_STEP(acc[u % (DS)], R, NV, i + 2 * u, PKV_KFN(kpair)(kp[v] + (size_t)(i + 2 * u) * stride, stride)) \
         }                                                                                         \
         for (; i < d2; i += 2)                                                                    \
@@ -130,12 +127,7 @@ static inline __m512i PKV_KFN(kpair)(const uint16_t *p, size_t stride) {
         if (d2 < d) /* an odd last dimension, paired with zeros */                                \
             PKV_BDOT_STEP(acc[0], R, NV, d2,                                                      \
                           _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kp[v] + (size_t)d2 * stride)))) \
-        for (int r = 0; r < R; r++)                                                               \
-            for (int v = 0; v < NV; v++) {                                                        \
-                PKV_VEC t = acc[0][r][v];                                                         \
-                for (int u = 1; u < (DS); u++) t = PKV_VADD(t, acc[u][r][v]);                     \
-                out[r * NV + v] = t;                                                              \
-            }                                                                                     \
+        PKV_MK_REDUCE(acc, R, NV, DS, PKV_SC_PUT)                                                 \
     }
 /* one pair of dimensions i, i + 1: NV interleaved key loads (KLOAD, in terms
  * of v), then a broadcast of each row's pair and NV dot products per row */

@@ -208,7 +208,6 @@ PKV_SIX_TILE(PKV_SCORES_MK, sc, PKV_SC_NV)
 #undef PKV_DOT_STEP
 #undef PKV_BDOT_MK
 #undef PKV_BDOT_STEP
-#undef PKV_BDOT_ROUND
 #undef PKV_DI
 #undef PKV_DI_SET1
 #undef PKV_DI_ZERO

@@ -281,28 +281,33 @@ def test_quantizes_queries_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ro
     RoPE); then the output matches the reference with the rounded query
     and not the one with the query as given (the difference is far beyond the tolerance, so the
     check can tell), otherwise the reverse."""
-    c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,
-               rope=pagedkv.RoPE(10000.0) if rope else None)
     lanes = INT8_DOT_LANES.get(pagedkv.simd_backend())
     want = (lanes is not None and kv_dtype == "int8" and dtype == "float32" and bs >= lanes
             and not rope)
-    assert c.quantizes_queries is want
+    _check_query_rounding(rng, kv_dtype, dtype, bs, rope, "quantizes_queries", want)
+
+
+def _check_query_rounding(rng, kv_dtype, dtype, bs, rope, prop, want):
+    """cache.<prop> is `want`; then prefill and decode match the reference with the query as
+    the cache scores it (query_as_scored), and where `want`, not the one with the query as
+    given (the difference is far beyond the tolerance, so the check can tell)."""
+    c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,
+               rope=pagedkv.RoPE(10000.0) if rope else None)
+    assert getattr(c, prop) is want
     if rope:
         return  # the reference would need the rotation; the claim above is what this case checks
     sid = c.add_sequence()
     c.append(sid, random_tokens(rng, 300, 2, 96, dtype), random_tokens(rng, 300, 2, 96, dtype))
     kg, vg = c.gather(sid)
     q = random_tokens(rng, 5, 8, 96, dtype)
-    out = c.attend(sid, q)
-    plain = ref_attention(q, kg, vg, math_scale(96), 295)
     qs, sc = query_as_scored(c, q, math_scale(96))
     rounded = ref_attention(qs, kg, vg, sc, 295)
-    if want:
-        assert_attention_close(out, rounded, dtype, vg)
-        with pytest.raises(AssertionError):
-            assert_attention_close(out, plain, dtype, vg)
-    else:  # the query as given, or rounded to bfloat16 (avx512bf16, bfloat16 keys)
-        assert_attention_close(out, rounded if c.rounds_queries_bf16 else plain, dtype, vg)
+    plain = ref_attention(q, kg, vg, math_scale(96), 295)
+    for out, n in ((c.attend(sid, q), 5), (c.attend_batch([sid], q[-1:]), 1)):  # prefill, decode
+        assert_attention_close(out, rounded[-n:], dtype, vg)
+        if want:
+            with pytest.raises(AssertionError):
+                assert_attention_close(out, plain[-n:], dtype, vg)
 
 
 BF16_ROUND_CASES = [  # kv_dtype, dtype, block_size, rope: bfloat16 keys scored with vdpbf16ps or not
@@ -319,27 +324,9 @@ def test_rounds_queries_bf16_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, 
     float32 (blocks of at least 16 keys, no RoPE); then the output matches the reference with
     the query rounded to bfloat16 and not the one with the query as given (the difference is far
     beyond float32's tolerance, so the check can tell), otherwise the reverse."""
-    c = _cache(kv_dtype, dtype, num_blocks=300 // bs + 2, block_size=bs, hkv=2, d=96,
-               rope=pagedkv.RoPE(10000.0) if rope else None)
     want = (pagedkv.simd_backend() == "avx512bf16" and kv_dtype == "bfloat16" and dtype == "float32"
             and bs >= 16 and not rope)
-    assert c.rounds_queries_bf16 is want
-    if rope:
-        return  # the reference would need the rotation; the claim above is what this case checks
-    sid = c.add_sequence()
-    c.append(sid, random_tokens(rng, 300, 2, 96, dtype), random_tokens(rng, 300, 2, 96, dtype))
-    kg, vg = c.gather(sid)
-    q = random_tokens(rng, 5, 8, 96, dtype)
-    qs, sc = query_as_scored(c, q, math_scale(96))
-    rounded = ref_attention(qs, kg, vg, sc, 295)
-    plain = ref_attention(q, kg, vg, math_scale(96), 295)
-    for out, n in ((c.attend(sid, q), 5), (c.attend_batch([sid], q[-1:]), 1)):  # prefill, decode
-        if want:
-            assert_attention_close(out, rounded[-n:], dtype, vg)
-            with pytest.raises(AssertionError):
-                assert_attention_close(out, plain[-n:], dtype, vg)
-        elif not c.quantizes_queries:
-            assert_attention_close(out, plain[-n:], dtype, vg)
+    _check_query_rounding(rng, kv_dtype, dtype, bs, rope, "rounds_queries_bf16", want)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
