@@ -89,6 +89,85 @@ typedef struct {
     int ldq, ng;
 } PKV_KFN(qrows_t);
 
+#if PKV_DOT_ISA == PKV_DOT_VNNI512
+_Static_assert(PKV_I8_GROUP == 32 && PKV_DOT_KOFF == 128, "a group is two 16-lane vectors; keys offset by 2^7");
+/* Four 16-lane vectors reduced at once, one per group: every lane of
+ * 128-bit lane j of the result holds the largest (quant_max4) or the sum
+ * (quant_add4) of vector j's lanes.  Two 128-bit lane shuffles and two
+ * in-lane ones in all, where four separate reductions take sixteen. */
+static inline __m512 PKV_KFN(quant_max4)(__m512 a, __m512 b, __m512 c, __m512 e) {
+    const __m512 ab = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 ce = _mm512_max_ps(_mm512_shuffle_f32x4(c, e, 0x44), _mm512_shuffle_f32x4(c, e, 0xEE));
+    __m512 x = _mm512_max_ps(_mm512_shuffle_f32x4(ab, ce, 0x88), _mm512_shuffle_f32x4(ab, ce, 0xDD));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+static inline __m512i PKV_KFN(quant_add4)(__m512i a, __m512i b, __m512i c, __m512i e) {
+    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+    const __m512i ce = _mm512_add_epi32(_mm512_shuffle_i32x4(c, e, 0x44), _mm512_shuffle_i32x4(c, e, 0xEE));
+    __m512i x = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, ce, 0x88), _mm512_shuffle_i32x4(ab, ce, 0xDD));
+    x = _mm512_add_epi32(x, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0x4E));
+    return _mm512_add_epi32(x, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0xB1));
+}
+
+/* lanes [0, n) of a 16-lane vector (n may be <= 0 or > 16) */
+static inline __mmask16 PKV_KFN(quant_lanes)(int n) {
+    return (__mmask16)(n >= 16 ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0);
+}
+
+/* One row (d floats at xr) quantized: its int8 values to qr (whole groups,
+ * zeros past d), scales and starting sums to sc[g], corr[g].  Four groups
+ * at a time, their largest magnitudes and sums reduced together and their
+ * scales kept in vectors; the arithmetic is the scalar branch's
+ * (quantize_rows), bit for bit. */
+static inline void PKV_KFN(quantize_row512)(const float *restrict xr, int d, int d4, int ng, int8_t *qr,
+                                            float *sc, int32_t *corr) {
+    const __m512i first4 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    for (int g0 = 0; g0 < ng; g0 += 4) {
+        const int i0 = g0 * PKV_I8_GROUP, gn = ng - g0 < 4 ? ng - g0 : 4;
+        __m512 x[8], m[4];
+        __mmask16 badl = 0; /* lanes 4j .. 4j + 3: group g0 + j holds a NaN or an infinity */
+        for (int j = 0; j < 4; j++) {
+            x[2 * j] = _mm512_maskz_loadu_ps(PKV_KFN(quant_lanes)(d - i0 - 32 * j), xr + i0 + 32 * j);
+            x[2 * j + 1] = _mm512_maskz_loadu_ps(PKV_KFN(quant_lanes)(d - i0 - 32 * j - 16), xr + i0 + 32 * j + 16);
+            m[j] = _mm512_max_ps(_mm512_abs_ps(x[2 * j]), _mm512_abs_ps(x[2 * j + 1]));
+            if (_mm512_cmp_ps_mask(x[2 * j], x[2 * j], _CMP_UNORD_Q) |
+                _mm512_cmp_ps_mask(x[2 * j + 1], x[2 * j + 1], _CMP_UNORD_Q))
+                badl |= (__mmask16)(0xF << 4 * j);
+        }
+        const __m512 amax = PKV_KFN(quant_max4)(m[0], m[1], m[2], m[3]);
+        badl |= _mm512_cmp_ps_mask(amax, _mm512_set1_ps(3.402823466e38f), _CMP_GT_OQ);
+        const __mmask16 okl = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ) & (__mmask16)~badl;
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(127.0f), amax);
+        __m512i t[4];
+        for (int j = 0; j < 4; j++) {
+            /* bad or all-zero groups quantize to zeros */
+            const __mmask16 ok = (__mmask16)(okl >> 4 * j & 1 ? 0xFFFF : 0);
+            const __m512 iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * j), inv);
+            __m512i qv[2];
+            for (int h = 0; h < 2; h++) {
+                qv[h] = _mm512_maskz_cvt_roundps_epi32(ok, _mm512_mul_ps(x[2 * j + h], iv),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (j < gn) /* saturating pack: |x| * 127 / amax rounds to at most 127 */
+                    _mm_storeu_si128((__m128i *)(qr + i0 + 32 * j + 16 * h), _mm512_cvtsepi32_epi8(qv[h]));
+            }
+            /* the starting sum covers the dimensions the integer loop takes (< d4) */
+            const int nd = d4 - (i0 + 32 * j);
+            t[j] = _mm512_add_epi32(_mm512_maskz_mov_epi32(PKV_KFN(quant_lanes)(nd), qv[0]),
+                                    _mm512_maskz_mov_epi32(PKV_KFN(quant_lanes)(nd - 16), qv[1]));
+        }
+        __m512 s = _mm512_maskz_div_ps(okl, amax, _mm512_set1_ps(127.0f));
+        s = _mm512_mask_mov_ps(s, badl, _mm512_set1_ps(NAN));
+        const __m512i sum = PKV_KFN(quant_add4)(t[0], t[1], t[2], t[3]);
+        const __mmask16 out = (__mmask16)((1u << gn) - 1);
+        _mm512_mask_storeu_ps(sc + g0, out, _mm512_permutexvar_ps(first4, s));
+        /* -PKV_DOT_KOFF * sum, PKV_DOT_KOFF being 2^7 */
+        const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+        _mm512_mask_storeu_epi32(corr + g0, out, _mm512_permutexvar_epi32(first4, c));
+    }
+}
+#endif
+
 /* Row count rows of x (d floats apart) quantized into mem (pkv_qdot_bytes
  * bytes); *out describes them. */
 static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int d, char *mem,
@@ -101,36 +180,14 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
     for (int a = 0; a < rows; a++) {
         const float *xr = x + (size_t)a * d;
         int8_t *qr = q + (size_t)a * ldq;
+#if PKV_DOT_ISA == PKV_DOT_VNNI512
+        PKV_KFN(quantize_row512)(xr, d, d4, ng, qr, sc + (size_t)a * ng, corr + (size_t)a * ng);
+#else /* one value at a time (float32 products, nearest-even) */
         for (int i0 = 0, g = 0; i0 < d; i0 += PKV_I8_GROUP, g++) {
             const int n = d - i0 < PKV_I8_GROUP ? d - i0 : PKV_I8_GROUP;
             /* the starting sum covers the dimensions the integer loop takes (< d4) */
             const int nd = d4 - i0 < PKV_I8_GROUP ? (d4 > i0 ? d4 - i0 : 0) : PKV_I8_GROUP;
-            float s = 0.0f;
             int32_t sum = 0;
-#if PKV_DOT_ISA == PKV_DOT_VNNI512
-            const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
-            const __mmask16 m1 = (__mmask16)(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1);
-            const __m512 x0 = _mm512_maskz_loadu_ps(m0, xr + i0);
-            const __m512 x1 = _mm512_maskz_loadu_ps(m1, xr + i0 + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            const int bad = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q) ||
-                            amax > 3.402823466e38f;
-            __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
-            if (bad) {
-                s = NAN;
-            } else if (amax > 0.0f) {
-                s = amax / 127.0f;
-                const __m512 inv = _mm512_set1_ps(127.0f / amax);
-                q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            }
-            /* saturating packs: |x| * 127 / amax rounds to at most 127 */
-            _mm_storeu_si128((__m128i *)(qr + i0), _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(qr + i0 + 16), _mm512_cvtsepi32_epi8(q1));
-            const __mmask16 k0 = (__mmask16)(nd >= 16 ? 0xFFFF : (1u << nd) - 1);
-            const __mmask16 k1 = (__mmask16)(nd <= 16 ? 0 : nd >= 32 ? 0xFFFF : (1u << (nd - 16)) - 1);
-            sum = _mm512_mask_reduce_add_epi32(k0, q0) + _mm512_mask_reduce_add_epi32(k1, q1);
-#else /* the same arithmetic one value at a time (float32 products, nearest-even) */
             float amax = 0.0f;
             int bad = 0;
             for (int i = 0; i < n; i++) {
@@ -139,17 +196,17 @@ static inline void PKV_KFN(quantize_rows)(const float *restrict x, int rows, int
                 amax = v > amax ? v : amax;
             }
             const float inv = bad || !(amax > 0.0f) ? 0.0f : 127.0f / amax;
-            s = bad ? NAN : amax > 0.0f ? amax / 127.0f : 0.0f;
+            const float s = bad ? NAN : amax > 0.0f ? amax / 127.0f : 0.0f;
             for (int i = 0; i < PKV_I8_GROUP; i++) {
                 float r = i < n && !bad ? nearbyintf(xr[i0 + i] * inv) : 0.0f;
                 r = r > 127.0f ? 127.0f : r < -128.0f ? -128.0f : r;
                 qr[i0 + i] = (int8_t)r;
                 if (i < nd) sum += (int32_t)r;
             }
-#endif
             sc[(size_t)a * ng + g] = s;
             corr[(size_t)a * ng + g] = -PKV_DOT_KOFF * sum;
         }
+#endif
         for (int i = (d + PKV_I8_GROUP - 1) / PKV_I8_GROUP * PKV_I8_GROUP; i < ldq; i++) qr[i] = 0;
     }
     out->q = q;

@@ -166,14 +166,24 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         if (na == 0) continue;
 #if PKV_STORE_SCALED
         const int tn = reverse ? t - 1 : t + 1;
-        if (tn >= 0 && tn < ntiles) { /* the next tile's scales (the streams fetch the values) */
+        /* the next tile's scales (the streams fetch the values), in one burst
+         * when the tile starts, into the cache level the stream fills: into
+         * L1 they took int8 decode B=8 L=2048 from 2.76-2.80 to 2.86-2.91 ms
+         * on the Zen 4 class (one thread, alternated builds, 3 rounds) */
+        if (tn >= 0 && tn < ntiles) {
             for (int64_t e = (int64_t)tn * tb, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
                 const int64_t ti = e < nent0 ? blo[0] + e : blo[1] + (e - nent0);
                 const size_t o = (size_t)table[ti] * bstride;
-                for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
-                    __builtin_prefetch(ksc + o + x, 0, 3);
-                    __builtin_prefetch(vsc + o + x, 0, 3);
-                }
+                if (pfs.l2)
+                    for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
+                        __builtin_prefetch(ksc + o + x, 0, 2);
+                        __builtin_prefetch(vsc + o + x, 0, 2);
+                    }
+                else
+                    for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
+                        __builtin_prefetch(ksc + o + x, 0, 3);
+                        __builtin_prefetch(vsc + o + x, 0, 3);
+                    }
             }
         }
 #endif
