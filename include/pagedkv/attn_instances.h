@@ -46,6 +46,7 @@
 #ifndef PKV_ONE_STORAGE
 /* storage = the compute type */
 #define PKV_S PKV_T
+#define PKV_STORE_NATIVE 1 /* (attn_tile.h: AVX-512's narrow P.V chunk) */
 #define PKV_SLOAD(p) PKV_VLOAD(p)
 #define PKV_SGET(p) (*(p))
 #define PKV_KFN(name) PKV_CFN(name)
@@ -53,6 +54,7 @@
 #undef PKV_KFN
 #undef PKV_SGET
 #undef PKV_SLOAD
+#undef PKV_STORE_NATIVE
 #undef PKV_S
 
 #if PKV_T_F64

@@ -148,6 +148,25 @@ static inline int pkv_pf_ahead(void) {
 #endif
 }
 
+/* Whether P.V of streaming decode items (the tile_values calls that carry
+ * the prefetch stream) walks each V row in chunks of two vectors instead of
+ * PKV_PV_NV = 4, on AVX-512 with float32 or float64 storage (attn_tile.h:
+ * pv_4x2): on AMD family 0x19 (Zen
+ * 4; Zen 3 has no AVX-512), elsewhere not.  Measured on the Zen 4 class
+ * (family 0x19 model 0x11, benchmarks/c/decode_ceiling.c, f32, one thread,
+ * two builds alternated four times, medians): B=1 L=8192 3.71-3.90 ->
+ * 3.40-3.52 ms, B=8 L=2048 7.61-7.87 -> 7.19-7.42 ms, B=1 L=512 (in cache)
+ * 99-100 -> 100-102 us.  Not measured on Intel, which keeps the wider chunk.
+ * -DPKV_PV_NARROW=0/1 forces it (tests, measurements). */
+static inline int pkv_pv_narrow(void) {
+#ifdef PKV_PV_NARROW
+    return PKV_PV_NARROW;
+#else
+    int family;
+    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19;
+#endif
+}
+
 /* The step's lines are addressed from one pointer the compiler may not see
  * through (an empty asm), so each prefetch is one instruction at a constant
  * offset from it.  Without it GCC made every line's address an induction
