@@ -544,7 +544,7 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
 #endif
     int i = 0;
 #if PKV_PV_NARROW_TILE
-    if (R == 4 && ps && pkv_pv_narrow())
+    if (R == 4 && ps && ps->pvn)
         for (; i + 2 * PKV_W <= d; i += 2 * PKV_W) {
             PKV_PV_WEIGHTS(i)
             for (int g = 0; g < ngr; g++)

@@ -41,6 +41,7 @@ typedef struct {
     const char *at, *end; /* next line to prefetch in slice cur, and its end */
     int l2;            /* 1: prefetch into L2 (prefetcht1), 0: into L1 (prefetcht0) */
     int l1k;           /* no slices: the unit's own K^T rows into L1 (pkv_pf_l1k) */
+    int pvn;           /* P.V (tile_values) in AVX-512's narrow chunks (pkv_pv_narrow) */
 } pkv_pfs;
 
 /* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
@@ -148,15 +149,17 @@ static inline int pkv_pf_ahead(void) {
 #endif
 }
 
-/* Whether P.V of streaming decode items (the tile_values calls that carry
- * the prefetch stream) walks each V row in chunks of two vectors instead of
- * PKV_PV_NV = 4, on AVX-512 with float32 or float64 storage (attn_tile.h:
- * pv_4x2): on AMD family 0x19 (Zen
- * 4; Zen 3 has no AVX-512), elsewhere not.  Measured on the Zen 4 class
- * (family 0x19 model 0x11, benchmarks/c/decode_ceiling.c, f32, one thread,
- * two builds alternated four times, medians): B=1 L=8192 3.71-3.90 ->
- * 3.40-3.52 ms, B=8 L=2048 7.61-7.87 -> 7.19-7.42 ms, B=1 L=512 (in cache)
- * 99-100 -> 100-102 us.  Not measured on Intel, which keeps the wider chunk.
+/* Whether P.V of decode calls of PKV_PV_NARROW_MIN_BYTES or more (attn_args.h)
+ * walks each V row in chunks of two vectors instead of PKV_PV_NV = 4, on
+ * AVX-512 with float32 or float64 storage (attn_tile.h: pv_4x2): on AMD
+ * family 0x19 (Zen 4; Zen 3 has no AVX-512), elsewhere not.  Measured on
+ * the Zen 4 class (family 0x19 model 0x11, benchmarks/c/decode_ceiling.c,
+ * one thread, two builds alternated 3-4 times, medians): f32 B=1 L=8192
+ * 3.71-3.99 -> 3.40-3.69 ms, B=8 L=2048 7.61-8.18 -> 7.19-7.42 ms, f64 B=1
+ * L=8192 8.18-8.72 -> 7.57-7.71 ms; B=1 L=512 (4 MiB, in cache) 1-4% slower,
+ * hence the size limit.  Four V lines per step of P.V against two: the
+ * prefetch stream's pace follows (PKV_PF_STEP_LINES); one vector a chunk
+ * measured no better.  Not measured on Intel, which keeps the wider chunk.
  * -DPKV_PV_NARROW=0/1 forces it (tests, measurements). */
 static inline int pkv_pv_narrow(void) {
 #ifdef PKV_PV_NARROW

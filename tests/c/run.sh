@@ -67,9 +67,10 @@ for loc in 2 3; do
     echo "== native, the prefetch stream forced into L$((4 - loc)), $ahead unit(s) ahead," \
          "$items decode item(s) a thread, l1k $l1k, narrow P.V chunks $narrow" \
          "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead -DPKV_DECODE_ITEMS_MIN=$items" \
-         "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow)"
+         "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow -DPKV_PV_NARROW_MIN_BYTES=0)"
     build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead \
-        -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow
+        -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow \
+        -DPKV_PV_NARROW_MIN_BYTES=0
     "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
 done
 
