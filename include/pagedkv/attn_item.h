@@ -178,16 +178,8 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
             for (int64_t e = (int64_t)tn * tb, e1 = e + tb < nent ? e + tb : nent; e < e1; e++) {
                 const int64_t ti = e < nent0 ? blo[0] + e : blo[1] + (e - nent0);
                 const size_t o = (size_t)table[ti] * bstride;
-                if (pfs.l2) /* (a prefetch's cache level is a constant of its instruction) */
-                    for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
-                        __builtin_prefetch(ksc + o + x, 0, 2);
-                        __builtin_prefetch(vsc + o + x, 0, 2);
-                    }
-                else
-                    for (size_t x = 0; x < (size_t)nh * hscales; x += 64) {
-                        __builtin_prefetch(ksc + o + x, 0, 3);
-                        __builtin_prefetch(vsc + o + x, 0, 3);
-                    }
+                pkv_pf_range(ksc + o, ksc + o + (size_t)nh * hscales, pfs.l2);
+                pkv_pf_range(vsc + o, vsc + o + (size_t)nh * hscales, pfs.l2);
             }
         }
 #endif

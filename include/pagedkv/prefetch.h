@@ -228,14 +228,21 @@ static inline void pkv_pfs_start(pkv_pfs *s) {
     s->end = s->n ? s->p[0] + s->len : NULL;
 }
 
+/* every line of [at, end) at once, into L2 (l2) or L1; a prefetch's cache
+ * level is a constant of its instruction, hence the two loops */
+static inline void pkv_pf_range(const char *at, const char *end, int l2) {
+    if (l2)
+        for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 2);
+    else
+        for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 3);
+}
+
 /* issue whatever the steps left (the unit ended before its estimate) */
 static inline void pkv_pfs_finish(pkv_pfs *s) {
     const char *at = s->at, *end = s->end;
     while (at < end) {
-        if (s->l2)
-            for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 2);
-        else
-            for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 3);
+        pkv_pf_range(at, end, s->l2);
+        at = end;
         pkv_pfs_next(s, &at, &end);
     }
     s->at = at;
