@@ -57,7 +57,18 @@ _Static_assert(PKV_W == 16, "AVX-512 vectors are 16 keys");
 #define PKV_DI_ZERO() _mm512_setzero_si512()
 #define PKV_DI_ADD(a, b) _mm512_add_epi32(a, b)
 #define PKV_DI_TOF(x) _mm512_cvtepi32_ps(x)
+/* an instruction rather than the intrinsic: with _mm512_dpbusd_epi32 GCC
+ * (11, 12) copied each accumulator to another register and back around
+ * every vpdpbusd of the score tile and kept some on the stack */
+#if defined(__GNUC__)
+static inline __m512i PKV_KFN(dot4)(__m512i acc, __m512i k, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(k), "v"(b));
+    return acc;
+}
+#define PKV_DOT4(acc, k, b) PKV_KFN(dot4)(acc, k, b)
+#else
 #define PKV_DOT4(acc, k, b) _mm512_dpbusd_epi32(acc, k, b)
+#endif
 #define PKV_DOT_KOFF 128
 #elif PKV_DOT_ISA == PKV_DOT_SDOT
 _Static_assert(PKV_W == 4, "NEON vectors are 4 keys");
