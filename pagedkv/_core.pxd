@@ -101,6 +101,7 @@ cdef extern from "pagedkv/attention.h" nogil:
     const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd)
     int pkv_quantizes_queries(int storage, int compute, int simd, int bs, int rope)
     int pkv_rounds_queries_bf16(int storage, int compute, int simd, int bs, int rope)
+    int pkv_quantizes_weights(int storage, int compute, int simd)
     size_t pkv_scratch_bytes(int bs, int d, size_t itemsize)
     size_t pkv_partial_slot_bytes(int d, size_t itemsize)
 

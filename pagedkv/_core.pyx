@@ -340,6 +340,16 @@ cdef class CacheCore:
                                             self.has_rope))
 
     @property
+    def quantizes_weights(self):
+        """True when attention rounds the attention weights (times the values'
+        scales) to int16 per tile, row and group of 32 values, to multiply-add
+        int8 values with vpdpwssd, wherever a tile takes query rows four at a
+        time (several query heads per KV head, or prefill): int8 storage,
+        float32 compute, an AVX-512 + VNNI path ("avx512vnni", "avx512bf16",
+        "avx512amx") on an AMD Zen 4 class CPU (include/pagedkv/attn_pvdot.h)."""
+        return bool(pkv_quantizes_weights(self.storage, self.compute, _simd))
+
+    @property
     def num_free_blocks(self):
         return self.pool.num_free
 

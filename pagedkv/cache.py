@@ -257,6 +257,13 @@ class PagedKVCache(EvictionMethods):
         doc="Whether attention rounds the queries to bfloat16 (to nearest even) to score "
             "bfloat16 keys with vdpbf16ps (bfloat16 storage, float32 compute, the 'avx512bf16' "
             "SIMD path, block_size >= 16, no RoPE).")
+    quantizes_weights = property(
+        lambda self: self._core.quantizes_weights,
+        doc="Whether attention rounds the attention weights (times the values' scales) to int16 "
+            "per tile, row and group of 32 values to multiply-add int8 values with vpdpwssd, "
+            "in tiles that take query rows four at a time (several query heads per KV head, or "
+            "prefill): int8 storage, float32 compute, the 'avx512vnni', 'avx512bf16' or "
+            "'avx512amx' SIMD path on an AMD Zen 4 class CPU.")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
                                doc="Bytes of one block: K and V of every layer.")
     last_attention_plan = property(

@@ -132,11 +132,24 @@ def ref_attention_options(q, k, v, scale, causal_offset, window=None, softcap=No
     return np.einsum("hnl,lhd->nhd", weights / den, v_rep)
 
 
-def assert_attention_close(actual, expected, dtype, values, err_msg=""):
-    """Compare with rtol = TOL[dtype] and atol = rtol * max(|values|)."""
+def weights_tol(cache):
+    """What ``cache``'s rounding of the attention weights to int16 (``cache.quantizes_weights``:
+    P.V of int8 values on vpdpwssd, include/pagedkv/attn_pvdot.h) may add to an output, as a
+    fraction of max |v|: each weight moves by at most half of its tile's unit (the tile's largest
+    weight times its largest value scale / 32767), so a row by at most (keys of a tile) / 65534
+    of max |v|.  0 where the cache does not round them."""
+    if cache is None or not getattr(cache, "quantizes_weights", False):
+        return 0.0
+    bs = cache.block_size
+    tile = bs if bs >= 64 else (64 // bs) * bs  # PKV_TILE_KEYS = 64 (attn_args.h)
+    return tile / 65534.0
+
+
+def assert_attention_close(actual, expected, dtype, values, err_msg="", cache=None):
+    """Compare with rtol = TOL[dtype] and atol = (rtol + weights_tol(cache)) * max(|values|)."""
     rtol = tol_for(dtype)
     vmax = float(np.max(np.abs(np.asarray(values, dtype=np.float64)))) if np.size(values) else 1.0
-    atol = rtol * max(vmax, np.finfo(np.float64).tiny)
+    atol = (rtol + weights_tol(cache)) * max(vmax, np.finfo(np.float64).tiny)
     np.testing.assert_allclose(
         np.asarray(actual, dtype=np.float64), expected, rtol=rtol, atol=atol, err_msg=err_msg
     )

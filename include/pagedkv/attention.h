@@ -226,6 +226,22 @@ static inline int pkv_rounds_queries_bf16(int storage, int compute, int simd, in
            pkv_dot_scores_apply(bs, rope, pkv_simd_f32_lanes(simd));
 }
 
+/* 1 when the kernels of (storage, compute, simd) round the attention weights
+ * to int16 for P.V of int8 values (attn_pvdot.h: vpdpwssd), in tiles whose
+ * rows come four at a time (several query heads per KV head, or prefill):
+ * the AVX-512 + VNNI int8 kernels in float32 (the avx512vnni, avx512bf16
+ * and avx512amx paths) where pkv_pv_int16 (prefetch.h) picks them. */
+static inline int pkv_quantizes_weights(int storage, int compute, int simd) {
+#if PKV_X86
+    return storage == PKV_I8 && compute == PKV_F32 &&
+           (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16) &&
+           pkv_pv_int16();
+#else
+    (void)storage, (void)compute, (void)simd;
+    return 0;
+#endif
+}
+
 /* The kernels for (storage, compute, simd), or NULL when not built. */
 static inline const pkv_kernels *pkv_kernels_for(int storage, int compute, int simd) {
     if (storage < 0 || storage >= PKV_NUM_DTYPES || compute < 0 || compute >= PKV_NUM_COMPUTE ||

@@ -480,6 +480,12 @@ static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t 
 #endif
 }
 
+#if PKV_I8_DOT /* P.V of int8 values on vpdpwssd (AVX-512 + VNNI) */
+#include "attn_pvdot.h"
+#else
+#define PKV_PVI 0
+#endif
+
 #if PKV_PV_FOLD
 /* f [row][ldc] = the weights of rows pr[0, nrows) times the V scales of
  * group g of each key of the runs */
@@ -543,6 +549,9 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
 #define PKV_PV_WEIGHTS(i)
 #endif
     int i = 0;
+#if PKV_PVI
+    if (R == 4 && pkv_pv_int16()) i = PKV_KFN(values_i16)(y, al, pr, ngr, runs, nr, bs, d, ps);
+#endif
 #if PKV_PV_NARROW_TILE
     if (R == 4 && ps && ps->pvn)
         for (; i + 2 * PKV_W <= d; i += 2 * PKV_W) {
@@ -781,6 +790,7 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
 }
 #undef PKV_PV_FOLD
 #undef PKV_PV_NARROW_TILE
+#undef PKV_PVI
 #undef PKV_QROWS
 #undef PKV_QVEC
 #undef PKV_SIX_ROWS

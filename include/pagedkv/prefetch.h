@@ -170,6 +170,24 @@ static inline int pkv_pv_narrow(void) {
 #endif
 }
 
+/* Whether P.V of int8 values in float32 takes vpdpwssd on the weights rounded
+ * to int16 (attn_pvdot.h), where the AVX-512 + VNNI int8 kernels run: on AMD
+ * family 0x19 (Zen 4), whose 512-bit FMA runs at half the rate of Intel's
+ * (two 256-bit halves) while vpdpwssd does twice an FMA's multiply-adds.
+ * Measured on the Zen 4 class (family 0x19 model 0x11; docs/performance.md).
+ * On an Intel Xeon (AMX class) an earlier int16 design measured 5-8% faster
+ * with K/V in L2 but no faster out of memory and slower for small calls
+ * (docs/performance-history.md), so Intel keeps the float path.
+ * -DPKV_PV_INT16=0/1 forces it (tests, measurements). */
+static inline int pkv_pv_int16(void) {
+#ifdef PKV_PV_INT16
+    return PKV_PV_INT16;
+#else
+    int family;
+    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19;
+#endif
+}
+
 /* The step's lines are addressed from one pointer the compiler may not see
  * through (an empty asm), so each prefetch is one instruction at a constant
  * offset from it.  Without it GCC made every line's address an induction

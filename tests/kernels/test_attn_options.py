@@ -68,7 +68,7 @@ def check_options(seed, cases):
             k, v = stored[sid]
             qs, sc = query_as_scored(cache, q[b:b + 1], scale)
             exp = ref_attention_options(qs, k, v, sc, len(k) - 1, **opts)
-            assert_attention_close(out[b:b + 1], exp, dtype, v, err_msg="decode " + text)
+            assert_attention_close(out[b:b + 1], exp, dtype, v, err_msg="decode " + text, cache=cache)
         for sid in sids:
             k, v = stored[sid]
             for n in {1, int(rng.integers(1, min(len(k), 80) + 1))}:
@@ -76,7 +76,8 @@ def check_options(seed, cases):
                 outp = cache.attend(sid, qp, scale=scale, **opts)
                 qs, sc = query_as_scored(cache, qp, scale)
                 exp = ref_attention_options(qs, k, v, sc, len(k) - n, **opts)
-                assert_attention_close(outp, exp, dtype, v, err_msg=f"prefill n={n} " + text)
+                assert_attention_close(outp, exp, dtype, v, err_msg=f"prefill n={n} " + text,
+                                       cache=cache)
 
 
 def check_split_decode(seed):
@@ -101,7 +102,8 @@ def check_split_decode(seed):
                     splits += cache.last_attention_plan[2] > 1
                     qs, sc = query_as_scored(cache, q, math_scale(128))
                     exp = ref_attention_options(qs, k, v, sc, len(k) - 1, **opts)
-                    assert_attention_close(out, exp, dtype, v, err_msg=f"split {dtype} {kv} {opts}")
+                    assert_attention_close(out, exp, dtype, v, err_msg=f"split {dtype} {kv} {opts}",
+                                           cache=cache)
     finally:
         pagedkv.set_num_threads(old)
     return splits
@@ -139,11 +141,12 @@ def test_window_and_sinks_with_streaming_llm_rope():
             out = cache.attend(sid, q, window=window, sinks=sinks)
             exp = ref_attention_options(qr, kr, v, math_scale(d), held - n, window=window,
                                         sinks=sinks)
-            assert_attention_close(out, exp, "float32", v, err_msg=f"step {step} window {window}")
+            assert_attention_close(out, exp, "float32", v, err_msg=f"step {step} window {window}",
+                                   cache=cache)
             out1 = cache.attend_batch([sid], q[-1:], window=window, softcap=5.0)
             exp1 = ref_attention_options(qr[-1:], kr, v, math_scale(d), held - 1, window=window,
                                          softcap=5.0)
-            assert_attention_close(out1, exp1, "float32", v)
+            assert_attention_close(out1, exp1, "float32", v, cache=cache)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
@@ -168,10 +171,10 @@ def test_blocks_before_the_window_are_not_read(kv_dtype):
     kf, vf = np.nan_to_num(ks), np.nan_to_num(vs)
     qs, sc = query_as_scored(cache, q, math_scale(d))
     exp = ref_attention_options(qs, kf, vf, sc, total - n, window=window)
-    assert_attention_close(out, exp, "float32", vf[first_lo:])
+    assert_attention_close(out, exp, "float32", vf[first_lo:], cache=cache)
     outd = cache.attend_batch([sid], q[-1:], window=window)
     assert np.isfinite(outd).all()
-    assert_attention_close(outd, exp[-1:], "float32", vf[first_lo:])
+    assert_attention_close(outd, exp[-1:], "float32", vf[first_lo:], cache=cache)
     # without the window the NaN is read (the check above can fail)
     assert np.isnan(cache.attend_batch([sid], q[-1:])).any()
 

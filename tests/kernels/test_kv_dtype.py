@@ -14,6 +14,7 @@ Two separate claims, tested separately:
 Every SIMD path the machine supports runs the kernel claims (in a fresh interpreter each).
 """
 
+import re
 import textwrap
 
 import numpy as np
@@ -186,7 +187,7 @@ def test_nan_and_inf_stay_in_their_own_token(kv_dtype, dtype):
     kg, vg = c.gather(s_ok)
     np.testing.assert_array_equal(kg, expected)
     out = c.attend(s_ok, q)
-    assert_attention_close(out, ref_attention(q, kg, vg, math_scale(d), n - 1), dtype, vg)
+    assert_attention_close(out, ref_attention(q, kg, vg, math_scale(d), n - 1), dtype, vg, cache=c)
 
 
 # ---------------------------------------------------------------------------
@@ -218,12 +219,12 @@ def _check_kernels(rng, kv_dtype, dtype, case):
         np.testing.assert_array_equal(vg, ref_stored(m.v[0], kv_dtype, dtype))
         qs, sc = query_as_scored(cache, q[b:b + 1], math_scale(d))
         exp = ref_attention(qs, kg, vg, sc, len(m) - 1)
-        assert_attention_close(out[b:b + 1], exp, dtype, vg)
+        assert_attention_close(out[b:b + 1], exp, dtype, vg, cache=cache)
         n = min(len(m), 40)
         qp = random_tokens(rng, n, hq, d, dtype)
         qs, sc = query_as_scored(cache, qp, math_scale(d))
         exp = ref_attention(qs, kg, vg, sc, len(m) - n)
-        assert_attention_close(cache.attend(sid, qp), exp, dtype, vg)
+        assert_attention_close(cache.attend(sid, qp), exp, dtype, vg, cache=cache)
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"bs{c[0]}-d{c[1]}-h{c[2]}x{c[3]}")
@@ -304,10 +305,52 @@ def _check_query_rounding(rng, kv_dtype, dtype, bs, rope, prop, want):
     rounded = ref_attention(qs, kg, vg, sc, 295)
     plain = ref_attention(q, kg, vg, math_scale(96), 295)
     for out, n in ((c.attend(sid, q), 5), (c.attend_batch([sid], q[-1:]), 1)):  # prefill, decode
-        assert_attention_close(out, rounded[-n:], dtype, vg)
+        assert_attention_close(out, rounded[-n:], dtype, vg, cache=c)
         if want:
             with pytest.raises(AssertionError):
                 assert_attention_close(out, plain[-n:], dtype, vg)
+
+
+def _amd_family_0x19():
+    """Whether this is an AMD CPU of family 0x19 (Zen 3 / Zen 4), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return False
+    return "AuthenticAMD" in info and re.search(r"^cpu family\s*:\s*25$", info, re.M) is not None
+
+
+WEIGHTS_CASES = [  # kv_dtype, dtype, block_size, ratio: int8 values' P.V on int16 weights or not
+    ("int8", "float32", 16, 4), ("int8", "float32", 5, 2), ("int8", "float32", 64, 8),
+    ("int8", "float64", 16, 4), ("bfloat16", "float32", 16, 4),
+]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,bs,ratio", WEIGHTS_CASES)
+def test_quantizes_weights_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ratio):
+    """cache.quantizes_weights is True exactly for int8 storage in float32 on the AVX-512 + VNNI
+    paths of an AMD family 0x19 CPU; then decode and prefill stay within the bound of the
+    weights' rounding (reference.weights_tol: (keys of a tile) / 65534 of max |v|) of the
+    reference with the query as scored, and, the roundings being independent, within 1e-4 of
+    max |v| here (they move a row by some 5e-6 of it, beyond the float path's 5e-8, so the check
+    can tell); otherwise within float32's tolerance."""
+    want = (kv_dtype == "int8" and dtype == "float32" and _amd_family_0x19()
+            and pagedkv.simd_backend() in ("avx512vnni", "avx512bf16", "avx512amx"))
+    d, length = 128, 700
+    c = _cache(kv_dtype, dtype, num_blocks=length // bs + 2, block_size=bs, hkv=2, d=d)
+    assert c.quantizes_weights is want
+    sid = c.add_sequence()
+    c.append(sid, random_tokens(rng, length, 2, d, dtype), random_tokens(rng, length, 2, d, dtype))
+    kg, vg = c.gather(sid)
+    vmax = np.abs(vg).max()
+    q = random_tokens(rng, 6, 2 * ratio, d, dtype)
+    qs, sc = query_as_scored(c, q, math_scale(d))
+    ref = ref_attention(qs, kg, vg, sc, length - 6)
+    for out, n in ((c.attend(sid, q), 6), (c.attend_batch([sid], q[-1:]), 1)):  # prefill, decode
+        assert_attention_close(out, ref[-n:], dtype, vg, cache=c)
+        if want:  # rounded (the float path is within some 5e-8 of max |v| here), but not far
+            assert 1e-6 * vmax < np.abs(out - ref[-n:]).max() <= 1e-4 * vmax
 
 
 BF16_ROUND_CASES = [  # kv_dtype, dtype, block_size, rope: bfloat16 keys scored with vdpbf16ps or not
@@ -367,7 +410,7 @@ def test_int8_values_where_every_weight_is_equal(bs, d, length):
     q = random_tokens(rng, 6, 8, d, "float32")
     for out, n in ((c.attend(sid, q), 6), (c.attend_batch([sid], q[-1:]), 1)):
         assert_attention_close(out, ref_attention(q[-n:], kg, vg, math_scale(d), length - n),
-                               "float32", vg)
+                               "float32", vg, cache=c)
 
 
 # ---------------------------------------------------------------------------
@@ -405,7 +448,7 @@ def test_rope_streaming_layers_with_kv_dtype(rng, kv_dtype, dtype):
             kr = rope_rotate(kg, np.arange(held), 10000.0, 32)
             qr = rope_rotate(q, np.arange(held - n, held), 10000.0, 32)
             assert_attention_close(out, ref_attention(qr, kr, vg, math_scale(d), held - n),
-                                   dtype, vg)
+                                   dtype, vg, cache=c)
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", PAIRS, ids=PAIR_IDS)
@@ -433,7 +476,7 @@ def test_fork_cow_and_truncate_with_kv_dtype(rng, kv_dtype, dtype):
     np.testing.assert_array_equal(k, ref_stored(np.concatenate([base[:10], again]), kv_dtype, dtype))
     q = random_tokens(rng, 2, 2 * hkv, d, dtype)
     qs, sc = query_as_scored(c, q, math_scale(d))
-    assert_attention_close(c.attend(child, q), ref_attention(qs, k, v, sc, 11), dtype, v)
+    assert_attention_close(c.attend(child, q), ref_attention(qs, k, v, sc, 11), dtype, v, cache=c)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -82,14 +82,14 @@ SCRIPT = textwrap.dedent(
             for b, sid in enumerate(sids):
                 m = models[sid]
                 exp = ref_attention(q[b:b + 1], m.k[0], m.v[0], math_scale(head_dim), len(m) - 1)
-                assert_attention_close(out[b:b + 1], exp, dtype, m.v[0])
+                assert_attention_close(out[b:b + 1], exp, dtype, m.v[0], cache=cache)
             for sid in sids:
                 m = models[sid]
                 n = min(len(m), 70)
                 qp = random_tokens(rng, n, hq, head_dim, dtype)
                 outp = cache.attend(sid, qp)
                 exp = ref_attention(qp, m.k[0], m.v[0], math_scale(head_dim), len(m) - n)
-                assert_attention_close(outp, exp, dtype, m.v[0])
+                assert_attention_close(outp, exp, dtype, m.v[0], cache=cache)
     print("SIMD-OK", pagedkv.simd_backend() if hasattr(pagedkv, "simd_backend") else "?")
     """
 )
@@ -132,7 +132,8 @@ SCRIPT_STORAGE = textwrap.dedent(
             q = random_tokens(rng, n, hkv * ratio, head_dim, "float32")
             out = cache.attend_batch([sid], q) if n == 1 else cache.attend(sid, q)
             qs, sc = query_as_scored(cache, q, math_scale(head_dim))
-            assert_attention_close(out, ref_attention(qs, kg, vg, sc, length - n), "float32", vg)
+            assert_attention_close(out, ref_attention(qs, kg, vg, sc, length - n), "float32", vg,
+                                   cache=cache)
             outs.append((f"bs{block_size}_d{head_dim}_n{n}", out))
     if os.environ.get("OUT_NPZ"):
         np.savez(os.environ["OUT_NPZ"], **dict(outs))
