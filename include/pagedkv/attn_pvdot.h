@@ -33,18 +33,14 @@
  */
 #if PKV_DOT_ISA == PKV_DOT_VNNI512
 #define PKV_PVI 1
-#define PKV_PVI_MAX_KEYS 256 /* a tile's keys and odd runs' padding */
-#define PKV_PVI_LDW PKV_PVI_MAX_KEYS
+#define PKV_PVI_MAX_KEYS 256 /* a tile's keys and odd runs' padding: w's row stride */
 #define PKV_PVI_MAX_GROUPS 16 /* head_dim up to 512 */
-
-/* lanes [0, n) of a 16-lane vector, n > 0 */
-static inline __mmask16 PKV_KFN(pvi_lanes)(int n) { return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
 
 /* m = the lanewise maximum of m and x[0, n) (values >= 0 or NaN), nan |= the
  * lanes that held a NaN */
 static inline __m512 PKV_KFN(pvi_max)(__m512 m, __mmask16 *nan, const float *x, int n) {
     for (int j = 0; j < n; j += 16) {
-        const __m512 x16 = _mm512_maskz_loadu_ps(PKV_KFN(pvi_lanes)(n - j), x + j);
+        const __m512 x16 = _mm512_maskz_loadu_ps(PKV_KFN(quant_lanes)(n - j), x + j);
         *nan |= _mm512_cmp_ps_mask(x16, x16, _CMP_UNORD_Q);
         m = _mm512_max_ps(m, x16);
     }
@@ -106,24 +102,24 @@ static inline int PKV_KFN(values_i16)(float *const *y, const float *al, const fl
     int pc[PKV_TILE_KEYS + 1];
     pc[0] = 0;
     for (int u = 0; u < nr; u++) pc[u + 1] = pc[u] + ((runs[u].n + 1) & ~1);
-    /* w[(g * 4 + r) * PKV_PVI_LDW + pc[u] + j]: row r's weight of key j of run
+    /* w[(g * 4 + r) * PKV_PVI_MAX_KEYS + pc[u] + j]: row r's weight of key j of run
      * u for group g (one stride for all, so a step addresses its rows' and
      * groups' weights at constant offsets from one pointer) */
-    int16_t w[PKV_PVI_MAX_GROUPS * 4 * PKV_PVI_LDW];
+    int16_t w[PKV_PVI_MAX_GROUPS * 4 * PKV_PVI_MAX_KEYS];
     for (int gr = 0; gr < ngr; gr++) {
         for (int r = 0; r < 4; r++) {
             const int a = 4 * gr + r;
             const __m512 fr = _mm512_set1_ps(pm[a] > 0 ? 32767.0f / pm[a] : 0.0f);
             for (int g = 0; g < ng; g++) {
                 const __m512 f = _mm512_mul_ps(fr, _mm512_set1_ps(sm[g] > 0 ? 1.0f / sm[g] : 0.0f));
-                int16_t *wr = w + (size_t)(g * 4 + r) * PKV_PVI_LDW;
+                int16_t *wr = w + (size_t)(g * 4 + r) * PKV_PVI_MAX_KEYS;
                 for (int u = 0; u < nr; u++) {
                     const float *pp = pr[a] + runs[u].col;
                     const float *sc = runs[u].vsc + (size_t)g * bs + runs[u].off;
                     int16_t *dst = wr + pc[u];
                     const int n = runs[u].n;
                     for (int j = 0; j < n; j += 16) {
-                        const __mmask16 k = PKV_KFN(pvi_lanes)(n - j);
+                        const __mmask16 k = PKV_KFN(quant_lanes)(n - j);
                         const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pp + j), f),
                                                        _mm512_maskz_loadu_ps(k, sc + j));
                         _mm256_mask_storeu_epi16(dst + j, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
@@ -139,7 +135,7 @@ static inline int PKV_KFN(values_i16)(float *const *y, const float *al, const fl
             __m512i acc[4][4];
             for (int r = 0; r < 4; r++)
                 for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_si512();
-            const int16_t *wc = w + (size_t)(c / 32) * 4 * PKV_PVI_LDW;
+            const int16_t *wc = w + (size_t)(c / 32) * 4 * PKV_PVI_MAX_KEYS;
             PKV_PFS_BEGIN(gr == 0 ? ps : NULL)
             for (int u = 0; u < nr; u++) {
                 const int8_t *v0 = runs[u].v + (size_t)runs[u].off * d + c;
@@ -156,10 +152,10 @@ static inline int PKV_KFN(values_i16)(float *const *y, const float *al, const fl
                         x[2 * hh + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a_, b_));
                     }
                     for (int r = 0; r < 4; r++) {
-                        PKV_PVI_DOT(acc[r][0], x[0], wp + r * PKV_PVI_LDW);
-                        PKV_PVI_DOT(acc[r][1], x[1], wp + r * PKV_PVI_LDW);
-                        PKV_PVI_DOT(acc[r][2], x[2], wp + (4 + r) * PKV_PVI_LDW);
-                        PKV_PVI_DOT(acc[r][3], x[3], wp + (4 + r) * PKV_PVI_LDW);
+                        PKV_PVI_DOT(acc[r][0], x[0], wp + r * PKV_PVI_MAX_KEYS);
+                        PKV_PVI_DOT(acc[r][1], x[1], wp + r * PKV_PVI_MAX_KEYS);
+                        PKV_PVI_DOT(acc[r][2], x[2], wp + (4 + r) * PKV_PVI_MAX_KEYS);
+                        PKV_PVI_DOT(acc[r][3], x[3], wp + (4 + r) * PKV_PVI_MAX_KEYS);
                     }
                 }
             }
@@ -187,19 +183,11 @@ static inline int PKV_KFN(values_i16)(float *const *y, const float *al, const fl
         }
     }
     for (int a = 0; nbad && a < nrows; a++) /* the float path, one value at a time */
-        if (bad[a])
-            for (int i = 0; i < dc; i++) {
-                float t = al[a] == 0 ? 0.0f : y[a][i] * al[a];
-                for (int u = 0; u < nr; u++)
-                    for (int j = 0; j < runs[u].n; j++)
-                        t += pr[a][runs[u].col + j] * PKV_KFN(vget)(runs + u, j, i, bs, d);
-                y[a][i] = t;
-            }
+        if (bad[a]) PKV_KFN(values_scalar)(y[a], al[a], pr[a], runs, nr, bs, d, 0, dc);
     return dc;
 }
 #undef PKV_PVI_MAX_KEYS
 #undef PKV_PVI_MAX_GROUPS
-#undef PKV_PVI_LDW
 #undef PKV_PVI_DOT
 #else
 #define PKV_PVI 0

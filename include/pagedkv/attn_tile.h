@@ -480,6 +480,19 @@ static inline PKV_T PKV_KFN(vget)(const PKV_KFN(run_t) *u, int j, int i, size_t 
 #endif
 }
 
+/* y[i0, i1) of one row = y * alpha + P . V, one value at a time (p: the
+ * row's weights by tile column) */
+static inline void PKV_KFN(values_scalar)(PKV_T *y, PKV_T alpha, const PKV_T *p,
+                                          const PKV_KFN(run_t) *runs, int nr, size_t bs, int d,
+                                          int i0, int i1) {
+    for (int i = i0; i < i1; i++) {
+        PKV_T s = alpha == 0 ? 0 : y[i] * alpha;
+        for (int u = 0; u < nr; u++)
+            for (int j = 0; j < runs[u].n; j++) s += p[runs[u].col + j] * PKV_KFN(vget)(runs + u, j, i, bs, d);
+        y[i] = s;
+    }
+}
+
 #if PKV_I8_DOT /* P.V of int8 values on vpdpwssd (AVX-512 + VNNI) */
 #include "attn_pvdot.h"
 #else
@@ -592,14 +605,8 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
         }
     }
 #undef PKV_PV_WEIGHTS
-    for (; i < d; i++) /* dimensions past the last whole vector */
-        for (int r = 0; r < na; r++) {
-            PKV_T s = al[r] == 0 ? 0 : y[r][i] * al[r];
-            for (int u = 0; u < nr; u++)
-                for (int j = 0; j < runs[u].n; j++)
-                    s += pr[r][runs[u].col + j] * PKV_KFN(vget)(runs + u, j, i, bs, d);
-            y[r][i] = s;
-        }
+    for (int r = 0; i < d && r < na; r++) /* dimensions past the last whole vector */
+        PKV_KFN(values_scalar)(y[r], al[r], pr[r], runs, nr, bs, d, i, d);
 }
 
 /* The tile's keys of one head rotated by RoPE at ranks r0 + column, into

@@ -57,6 +57,12 @@ static inline int pkv_pf_cpu(int *family) {
     return v >> 16;
 }
 
+/* AMD family 0x19 (Zen 3 and Zen 4), where several choices below differ */
+static inline int pkv_cpu_amd_19h(void) {
+    int family;
+    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19;
+}
+
 /* Where the stream prefetches, chosen once per process from the CPU
  * (pkv_cpu_vendor): into L2 (prefetcht1; decode calls of
  * PKV_PF_K_MIN_BYTES or more then prefetch their K units too, attn_args.h)
@@ -144,8 +150,7 @@ static inline int pkv_pf_ahead(void) {
 #ifdef PKV_PF_DIST
     return PKV_PF_DIST;
 #else
-    int family;
-    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19 ? 2 : 1;
+    return pkv_cpu_amd_19h() ? 2 : 1;
 #endif
 }
 
@@ -165,8 +170,7 @@ static inline int pkv_pv_narrow(void) {
 #ifdef PKV_PV_NARROW
     return PKV_PV_NARROW;
 #else
-    int family;
-    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19;
+    return pkv_cpu_amd_19h();
 #endif
 }
 
@@ -183,8 +187,7 @@ static inline int pkv_pv_int16(void) {
 #ifdef PKV_PV_INT16
     return PKV_PV_INT16;
 #else
-    int family;
-    return pkv_pf_cpu(&family) == PKV_CPU_AMD && family == 0x19;
+    return pkv_cpu_amd_19h();
 #endif
 }
 
