@@ -9,7 +9,7 @@ set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 exe=${EXE:-$here/decode_ceiling}   # ignored by git
-${CC:-cc} -O3 -std=c11 -D_POSIX_C_SOURCE=200112L -fno-strict-aliasing -Wall -Wno-unused-function \
+${CC:-cc} -O3 -std=c11 -D_DEFAULT_SOURCE -fno-strict-aliasing -Wall -Wno-unused-function \
     -fopenmp $CFLAGS -I"$root/include" "$here/decode_ceiling.c" -o "$exe" -lm
 rounds=${1:-9}
 for dt in f32 f64; do
