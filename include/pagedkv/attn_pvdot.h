@@ -106,27 +106,37 @@ static inline int PKV_KFN(values_i16)(float *const *y, const float *al, const fl
      * u for group g (one stride for all, so a step addresses its rows' and
      * groups' weights at constant offsets from one pointer) */
     int16_t w[PKV_PVI_MAX_GROUPS * 4 * PKV_PVI_MAX_KEYS];
+    float fs[PKV_PVI_MAX_GROUPS];
+    for (int g = 0; g < ng; g++) fs[g] = sm[g] > 0 ? 1.0f / sm[g] : 0.0f;
     for (int gr = 0; gr < ngr; gr++) {
+        __m512 fr[4];
         for (int r = 0; r < 4; r++) {
             const int a = 4 * gr + r;
-            const __m512 fr = _mm512_set1_ps(pm[a] > 0 ? 32767.0f / pm[a] : 0.0f);
-            for (int g = 0; g < ng; g++) {
-                const __m512 f = _mm512_mul_ps(fr, _mm512_set1_ps(sm[g] > 0 ? 1.0f / sm[g] : 0.0f));
-                int16_t *wr = w + (size_t)(g * 4 + r) * PKV_PVI_MAX_KEYS;
-                for (int u = 0; u < nr; u++) {
-                    const float *pp = pr[a] + runs[u].col;
-                    const float *sc = runs[u].vsc + (size_t)g * bs + runs[u].off;
-                    int16_t *dst = wr + pc[u];
-                    const int n = runs[u].n;
-                    for (int j = 0; j < n; j += 16) {
-                        const __mmask16 k = PKV_KFN(quant_lanes)(n - j);
-                        const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pp + j), f),
-                                                       _mm512_maskz_loadu_ps(k, sc + j));
-                        _mm256_mask_storeu_epi16(dst + j, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+            fr[r] = _mm512_set1_ps(pm[a] > 0 ? 32767.0f / pm[a] : 0.0f);
+        }
+        /* per 16 keys: the four rows' weights over their maxima once, then
+         * each group's scales over theirs times each row's */
+        for (int u = 0; u < nr; u++) {
+            const int n = runs[u].n;
+            for (int j = 0; j < n; j += 16) {
+                const __mmask16 k = PKV_KFN(quant_lanes)(n - j);
+                __m512 pf[4];
+                for (int r = 0; r < 4; r++)
+                    pf[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr[4 * gr + r] + runs[u].col + j), fr[r]);
+                const float *sc = runs[u].vsc + runs[u].off + j;
+                int16_t *dst = w + pc[u] + j;
+                for (int g = 0; g < ng; g++, sc += bs, dst += 4 * PKV_PVI_MAX_KEYS) {
+                    const __m512 s16 = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc), _mm512_set1_ps(fs[g]));
+                    for (int r = 0; r < 4; r++) {
+                        const __m512 x = _mm512_mul_ps(pf[r], s16);
+                        _mm256_mask_storeu_epi16(dst + r * PKV_PVI_MAX_KEYS, k,
+                                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
                     }
-                    if (n & 1) dst[n] = 0;
                 }
             }
+            if (n & 1)
+                for (int g = 0; g < ng; g++)
+                    for (int r = 0; r < 4; r++) w[(size_t)(g * 4 + r) * PKV_PVI_MAX_KEYS + pc[u] + n] = 0;
         }
         for (int c = 0; c < dc; c += 64) {
             /* acc[r][v]: 16 dimensions of the chunk, the low (v even) or high
