@@ -119,6 +119,7 @@ cdef extern from "pagedkv/peak.h" nogil:
         PKV_PEAK_DPBUSD
         PKV_PEAK_SDOT
         PKV_PEAK_DPBF16
+        PKV_PEAK_DPWSSD
         PKV_PEAK_CHAINS
     int pkv_peak_width(int kind, int simd)
     uint64_t pkv_peak_run(int kind, int simd, int64_t iters, int nthreads, double a, double b,

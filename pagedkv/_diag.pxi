@@ -160,7 +160,8 @@ def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
 # instruction peak (include/pagedkv/peak.h)
 
 _PEAK_KINDS = {"fma_f32": PKV_PEAK_FMA_F32, "fma_f64": PKV_PEAK_FMA_F64,
-               "dpbusd": PKV_PEAK_DPBUSD, "sdot": PKV_PEAK_SDOT, "dpbf16": PKV_PEAK_DPBF16}
+               "dpbusd": PKV_PEAK_DPBUSD, "sdot": PKV_PEAK_SDOT, "dpbf16": PKV_PEAK_DPBF16,
+               "dpwssd": PKV_PEAK_DPWSSD}
 
 
 def _peak_args(kind, simd, threads):
@@ -213,7 +214,9 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     "avxvnni", each counts 1); "sdot", its counterpart on "neondot" (16
     products); "dpbf16", the bfloat16 dot product of the "avx512bf16" path's
     bfloat16 scores (vdpbf16ps: 32 products of bfloat16 pairs per
-    instruction).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
+    instruction); "dpwssd", the int16 dot product of P.V of int8 values where
+    the weights are rounded to int16 (cache.quantizes_weights; vpdpwssd: 32
+    products of int16 pairs per instruction, the AVX-512 + VNNI paths).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
     "avx512vnni", "avx512bf16", "avx512amx", "neon", "neondot"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
@@ -257,7 +260,8 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
     """Seconds one run of the probe took; checks the lanes it counted and its
     checksum: with a = 0.5, b = 1 every FMA lane ends at exactly 2 after >= 256
     rounds (2^-256 times any start is below half an ulp of 2); every dpbusd
-    or sdot int32 lane k (16, 8 or 4 per chain) ends at k + 4 * iters; every
+    or sdot int32 lane k (16, 8 or 4 per chain) ends at k + 4 * iters, every
+    dpwssd one at k + 2 * iters; every
     dpbf16 float32 lane k at k + 2 * iters while that is below 2^24 (exact),
     beyond which the lanes only have to have grown (their sums round)."""
     import time
@@ -268,9 +272,10 @@ cdef double _peak_once(int k, int s, int64_t iters, int nt, uint64_t per_round) 
         lanes = pkv_peak_run(k, s, iters, nt, 0.5, 1.0, &total)
     dt = time.perf_counter() - t0
     ok = True
-    if k == PKV_PEAK_DPBUSD or k == PKV_PEAK_SDOT:
-        n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 4  # int32 lanes, 4 products each
-        want = float(nt * (n32 * (n32 - 1) // 2 + n32 * 4 * iters))
+    if k == PKV_PEAK_DPBUSD or k == PKV_PEAK_SDOT or k == PKV_PEAK_DPWSSD:
+        per = 2 if k == PKV_PEAK_DPWSSD else 4  # products in an int32 lane
+        n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // per  # int32 lanes
+        want = float(nt * (n32 * (n32 - 1) // 2 + n32 * per * iters))
     elif k == PKV_PEAK_DPBF16:
         n32 = PKV_PEAK_CHAINS * pkv_peak_width(k, s) // 2  # float32 lanes, 2 products each
         start = float(nt * (n32 * (n32 - 1) // 2))

@@ -26,7 +26,11 @@
  * VNNI, 32 on AVX2 + AVX-VNNI.  PKV_PEAK_SDOT is its aarch64 counterpart
  * (sdot: signed bytes, 16 products per instruction).
  * Its chains start at lane k = k and add 4 * 1 * 1 each round (bytes 1 and
- * 1), an exact checksum too.  PKV_PEAK_DPBF16 is the bfloat16 dot product
+ * 1), an exact checksum too.  PKV_PEAK_DPWSSD is the int16 dot product P.V
+ * of int8 values is built on where the weights are rounded to int16
+ * (attn_pvdot.h; vpdpwssd: products of int16 pairs, summed two at a time
+ * into int32 lanes, 32 per AVX-512 instruction); its chains gain 2 * 1 * 1
+ * a round.  PKV_PEAK_DPBF16 is the bfloat16 dot product
  * the bfloat16 scores of the AVX-512 + BF16 path are built on (vdpbf16ps:
  * two products of bfloat16 pairs added into each float32 lane, 32 products
  * per instruction); its chains start at lane k = k and add 1 * 1 + 1 * 1
@@ -50,7 +54,8 @@ enum {
     PKV_PEAK_DPBUSD = 2, /* the VNNI paths only */
     PKV_PEAK_SDOT = 3,   /* NEON + dot product only */
     PKV_PEAK_DPBF16 = 4, /* the AVX-512 + BF16 path only */
-    PKV_NUM_PEAK_KINDS = 5
+    PKV_PEAK_DPWSSD = 5, /* the AVX-512 + VNNI paths only */
+    PKV_NUM_PEAK_KINDS = 6
 };
 
 #define PKV_PEAK_CHAINS 12
@@ -109,21 +114,24 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f32_scalar, float, float, 1, PKV_PK_ID, PKV_PK_DERE
 PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DEREF, PKV_PK_ASSIGN,
                 PKV_PK_MULADD)
 
-/* Integer dot chains (vpdpbusd, sdot): c = c + dot4(a, b) per int32 lane, a
- * and b all bytes 1 (a and b of the signature are not used: the checksum is
- * exact anyway); the chains as in PKV_PEAK_DEFINE, the sum in int64.
+/* Integer dot chains (vpdpbusd, sdot; vpdpwssd): c = c + dot(a, b) per int32
+ * lane, a and b all elements 1 (bytes, or int16 pairs: ONES), N products a
+ * lane (a and b of the signature are not used: the checksum is exact
+ * anyway); the chains as in PKV_PEAK_DEFINE, the sum in int64.
  * PKV_PEAK_DEFINE_DP defines one over vector type V of W int32 lanes (DP:
  * the instruction, SET1 / LOAD / STORE of int32 lanes) with the target
  * attribute `tgt`: the AVX-512, AVX-VNNI (VEX-encoded, 256-bit) and NEON +
  * dot product forms below. */
 #define PKV_PEAK_DEFINE_DP(name, tgt, V, W, DP, SET1, LOAD, STORE)                             \
+    PKV_PEAK_DEFINE_DPN(name, tgt, V, W, DP, SET1, LOAD, STORE, 0x01010101, 4)
+#define PKV_PEAK_DEFINE_DPN(name, tgt, V, W, DP, SET1, LOAD, STORE, ONES, N)                   \
     __attribute__((target(tgt))) PKV_PEAK_FN uint64_t name(int64_t iters, double a, double b, \
                                                             double *sum) {                    \
         (void)a;                                                                              \
         (void)b;                                                                              \
         int32_t buf[PKV_PEAK_CHAINS * (W)];                                                   \
         for (int k = 0; k < PKV_PEAK_CHAINS * (W); k++) buf[k] = k;                           \
-        const V ones = SET1(0x01010101);                                                      \
+        const V ones = SET1(ONES);                                                            \
         V c0 = LOAD(buf + 0 * (W)), c1 = LOAD(buf + 1 * (W)), c2 = LOAD(buf + 2 * (W)),       \
           c3 = LOAD(buf + 3 * (W)), c4 = LOAD(buf + 4 * (W)), c5 = LOAD(buf + 5 * (W)),       \
           c6 = LOAD(buf + 6 * (W)), c7 = LOAD(buf + 7 * (W)), c8 = LOAD(buf + 8 * (W)),       \
@@ -141,7 +149,7 @@ PKV_PEAK_DEFINE(pkv_peak_fma_f64_scalar, double, double, 1, PKV_PK_ID, PKV_PK_DE
             for (int k = 0; k < (W); k++) s += buf[k];                                        \
         }                                                                                     \
         *sum = (double)s;                                                                     \
-        return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * 4 * (W) : 0;                   \
+        return iters > 0 ? (uint64_t)iters * PKV_PEAK_CHAINS * (N) * (W) : 0;                 \
     }
 
 #if PKV_X86
@@ -167,6 +175,8 @@ PKV_PEAK_DEFINE_X86(avx512, "avx512f", __m512, __m512d, 16, _mm512)
 #define PKV_PK_ST256(p, x) _mm256_storeu_si256((__m256i *)(p), x)
 PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avx512vnni, "avx512f,avx512bw,avx512vnni", __m512i, 16,
                    _mm512_dpbusd_epi32, _mm512_set1_epi32, PKV_PK_LD512, PKV_PK_ST512)
+PKV_PEAK_DEFINE_DPN(pkv_peak_dpwssd_avx512vnni, "avx512f,avx512bw,avx512vnni", __m512i, 16,
+                    _mm512_dpwssd_epi32, _mm512_set1_epi32, PKV_PK_LD512, PKV_PK_ST512, 0x00010001, 2)
 PKV_PEAK_DEFINE_DP(pkv_peak_dpbusd_avxvnni, "avx2,avxvnni", __m256i, 8, _mm256_dpbusd_avx_epi32,
                    _mm256_set1_epi32, PKV_PK_LD256, PKV_PK_ST256)
 #if PKV_HAVE_AVX512BF16
@@ -230,6 +240,7 @@ PKV_PEAK_DEFINE_DP(pkv_peak_sdot_neondot, "arch=armv8.2-a+dotprod", int32x4_t, 4
 #endif
 #endif /* PKV_ARM64 */
 #undef PKV_PEAK_DEFINE_DP
+#undef PKV_PEAK_DEFINE_DPN
 #undef PKV_PK_ID
 #undef PKV_PK_DEREF
 #undef PKV_PK_ASSIGN
@@ -244,6 +255,9 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     if (kind == PKV_PEAK_DPBUSD &&
         (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16))
         return pkv_peak_dpbusd_avx512vnni;
+    if (kind == PKV_PEAK_DPWSSD &&
+        (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16))
+        return pkv_peak_dpwssd_avx512vnni;
 #if PKV_HAVE_AVX512BF16
     if (kind == PKV_PEAK_DPBF16 && simd == PKV_SIMD_AVX512BF16) return pkv_peak_dpbf16_avx512bf16;
 #endif
@@ -270,6 +284,7 @@ static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
 static inline int pkv_peak_width(int kind, int simd) {
     if (!pkv_peak_fn_for(kind, simd)) return 0;
     if (kind == PKV_PEAK_DPBUSD) return simd == PKV_SIMD_AVXVNNI ? 32 : 64;
+    if (kind == PKV_PEAK_DPWSSD) return 32;
     if (kind == PKV_PEAK_SDOT) return 16;
     if (kind == PKV_PEAK_DPBF16) return 32;
     const int w = pkv_simd_f32_lanes(simd); /* float64: half as many, scalar 1 */

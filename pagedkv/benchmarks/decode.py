@@ -48,7 +48,8 @@ The arithmetic ceiling, measured once per run (1 thread, whatever --threads):
   for f32 compute, ``fma_f64`` for f64 (bf16 / f16 / int8 storage is widened
   on load and folded with the compute type's FMAs), and the dot instruction of
   the scores where the path has one (``dpbusd`` / ``sdot`` for int8 keys,
-  ``dpbf16`` for bf16 keys on avx512bf16: peak_kinds).
+  ``dpbf16`` for bf16 keys on avx512bf16) and of P.V (``dpwssd`` for int8
+  values where the weights are rounded to int16): peak_kinds.
 * ``decode in L2``: B=1, the suite's heads, L sized so that the stored K+V
   is about half of this core's L2 (read from sysfs, else 1 MiB assumed), one
   configuration per storage dtype, timed like the rest.  FMA lanes/s =
@@ -457,14 +458,16 @@ def peak_kinds(cache, dtype: str) -> Tuple[str, str]:
     FMA for both, except where the cache scores int8 keys with an integer dot
     product (cache.quantizes_queries): vpdpbusd on the avx512vnni, avx512bf16, avx512amx and
     avxvnni paths, sdot on neondot; or bfloat16 keys with vdpbf16ps
-    (cache.rounds_queries_bf16, the avx512bf16 path)."""
+    (cache.rounds_queries_bf16, the avx512bf16 path); and P.V of int8 values
+    on vpdpwssd where the weights are rounded to int16 (cache.quantizes_weights)."""
     fma = peak_kind(dtype)
     if cache.rounds_queries_bf16:
         return "dpbf16", fma
     if not cache.quantizes_queries:
         return fma, fma
     from pagedkv import simd_backend
-    return ("sdot" if simd_backend() == "neondot" else "dpbusd"), fma
+    pv = "dpwssd" if cache.quantizes_weights else fma
+    return ("sdot" if simd_backend() == "neondot" else "dpbusd"), pv
 
 
 def _reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float) -> np.ndarray:
@@ -594,7 +597,7 @@ def _peak_line(recs: List[dict]) -> str:
     return (f"Instruction peaks of one core ({peaks[0]['simd']} path, 1 thread, best of short "
             "runs of 12 independent chains): "
             + ", ".join(f"{r['kind']} {fmt_num(r['lanes_per_s'] / 1e9)} G lanes/s"
-                        for r in peaks) + " (dpbusd, sdot: byte products; dpbf16: bfloat16 products).")
+                        for r in peaks) + " (dpbusd, sdot: byte products; dpbf16: bfloat16 products; dpwssd: int16 products).")
 
 
 def _l2_head(r0: dict) -> str:
@@ -605,8 +608,10 @@ def _l2_head(r0: dict) -> str:
             "stored K or V element); %peak = the time the scores and P.V\nwould take at the peak "
             "of the instruction each is built on / the time taken: the FMA of the compute type "
             "(bf16/f16/i8 storage\nis widened on load), except int8 keys on the integer dot paths, "
-            "scored with vpdpbusd or sdot against the query rounded to int8,\nand bf16 keys on the "
-            "avx512bf16 path, scored with vdpbf16ps (dpbf16) against the query rounded to bf16.")
+            "scored with vpdpbusd or sdot against the query rounded to int8,\nbf16 keys on the "
+            "avx512bf16 path, scored with vdpbf16ps (dpbf16) against the query rounded to bf16,\n"
+            "and int8 values where P.V takes vpdpwssd (dpwssd) on the weights rounded to int16 "
+            "(cache.quantizes_weights).")
 
 
 def _l2_rows(r: dict) -> List[List[str]]:

@@ -17,6 +17,8 @@ WIDTH = {"scalar": (1, 1), "avx2": (8, 4), "avx512": (16, 8), "neon": (4, 2),
 # (kind, int32 lanes per register) of each path's integer dot probe (4 byte products a lane)
 DOT_PROBE = {"avx512vnni": ("dpbusd", 16), "avxvnni": ("dpbusd", 8), "neondot": ("sdot", 4),
              "avx512amx": ("dpbusd", 16), "avx512bf16": ("dpbusd", 16)}
+# the paths with the int16 dot probe (vpdpwssd: AVX-512 + VNNI)
+WSSD_PATHS = ("avx512vnni", "avx512amx", "avx512bf16")
 PATHS = pagedkv.simd_supported()
 
 
@@ -82,6 +84,19 @@ def test_dot_probe_counts_its_products(simd, threads):
     assert math.isfinite(rate) and rate > 0
 
 
+@pytest.mark.parametrize("simd", [s for s in PATHS if s in WSSD_PATHS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int16_dot_probe_counts_its_products(simd, threads):
+    """vpdpwssd chains: 2 int16 products per int32 lane (32 per instruction), 12 chains; lane k
+    starts at k and gains 1 * 1 + 1 * 1 a round, so the lanes sum to an exact checksum."""
+    for iters in (0, 1, 2, 17):
+        lanes, total = _fma_probe("dpwssd", simd=simd, iters=iters, threads=threads)
+        assert lanes == threads * CHAINS * 32 * iters
+        assert total == threads * sum(k + 2 * iters for k in range(CHAINS * 16))
+    rate = instruction_peak("dpwssd", simd=simd, threads=1, seconds=0.005, repeats=3)
+    assert math.isfinite(rate) and rate > 0
+
+
 @pytest.mark.skipif("avx512bf16" not in PATHS, reason="needs AVX512_BF16")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_dot_probe_counts_its_products(threads):
@@ -104,6 +119,9 @@ def test_dot_probes_only_on_their_paths():
             if DOT_PROBE.get(simd, (None,))[0] != kind:
                 with pytest.raises(ValueError, match=f"no {kind} probe"):
                     instruction_peak(kind, simd=simd)
+        if simd not in WSSD_PATHS:
+            with pytest.raises(ValueError, match="no dpwssd probe"):
+                instruction_peak("dpwssd", simd=simd)
 
 
 def test_bad_arguments_raise_value_error():
