@@ -216,8 +216,9 @@ def instruction_peak(kind="fma_f32", simd=None, threads=1, seconds=0.05, repeats
     bfloat16 scores (vdpbf16ps: 32 products of bfloat16 pairs per
     instruction); "dpwssd", the int16 dot product of P.V of int8 values where
     the weights are rounded to int16 (cache.quantizes_weights; vpdpwssd: 32
-    products of int16 pairs per instruction, the AVX-512 + VNNI paths).  simd: the path ("scalar", "avx2", "avxvnni", "avx512",
-    "avx512vnni", "avx512bf16", "avx512amx", "neon", "neondot"; None: the active one,
+    products of int16 pairs per instruction, the AVX-512 + VNNI paths).
+    simd: the path ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni",
+    "avx512bf16", "avx512amx", "neon", "neondot"; None: the active one,
     simd_backend()).  threads: threads running the loop at once (OpenMP;
     a build without it runs their loops one after another, so the rate is
     one thread's); the rate is the lanes of all of them / wall time.  The loop

@@ -597,7 +597,8 @@ def _peak_line(recs: List[dict]) -> str:
     return (f"Instruction peaks of one core ({peaks[0]['simd']} path, 1 thread, best of short "
             "runs of 12 independent chains): "
             + ", ".join(f"{r['kind']} {fmt_num(r['lanes_per_s'] / 1e9)} G lanes/s"
-                        for r in peaks) + " (dpbusd, sdot: byte products; dpbf16: bfloat16 products; dpwssd: int16 products).")
+                        for r in peaks)
+            + " (dpbusd, sdot: byte products; dpbf16: bfloat16 products; dpwssd: int16 products).")
 
 
 def _l2_head(r0: dict) -> str:
