@@ -22,6 +22,10 @@
 #undef PKV_VSCALE2K
 #undef PKV_VFRAC
 #undef PKV_VSCALE2FL
+#undef PKV_VMASKN
+#undef PKV_VLOADN
+#undef PKV_VSTOREN
+#undef PKV_VREDUCEN
 #undef PKV_LD_F32
 #undef PKV_LD_BF16
 #undef PKV_LD_F16

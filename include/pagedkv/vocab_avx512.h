@@ -45,6 +45,11 @@
 #define PKV_VSCALE2K(p, k) _mm512_scalef_pd(p, k)
 #define PKV_VFRAC(x) _mm512_reduce_pd(x, PKV_RD)
 #define PKV_VSCALE2FL(p, x) _mm512_scalef_pd(p, x)
+/* the first n lanes (0 < n < PKV_W): loaded (the rest 0), stored, summed */
+#define PKV_VMASKN(n) ((__mmask8)((1u << (n)) - 1))
+#define PKV_VLOADN(p, n) _mm512_maskz_loadu_pd(PKV_VMASKN(n), p)
+#define PKV_VSTOREN(p, x, n) _mm512_mask_storeu_pd(p, PKV_VMASKN(n), x)
+#define PKV_VREDUCEN(x, n) _mm512_mask_reduce_add_pd(PKV_VMASKN(n), x)
 #define PKV_LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
 #define PKV_LD_BF16(p) _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
 #define PKV_LD_F16(p) _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
@@ -73,6 +78,10 @@
 #define PKV_VSCALE2K(p, k) _mm512_scalef_ps(p, k)
 #define PKV_VFRAC(x) _mm512_reduce_ps(x, PKV_RD)
 #define PKV_VSCALE2FL(p, x) _mm512_scalef_ps(p, x)
+#define PKV_VMASKN(n) ((__mmask16)((1u << (n)) - 1))
+#define PKV_VLOADN(p, n) _mm512_maskz_loadu_ps(PKV_VMASKN(n), p)
+#define PKV_VSTOREN(p, x, n) _mm512_mask_storeu_ps(p, PKV_VMASKN(n), x)
+#define PKV_VREDUCEN(x, n) _mm512_mask_reduce_add_ps(PKV_VMASKN(n), x)
 /* 16 bfloat16 into the high halves of 16 float32 lanes with one zero-masked
  * word permute (vpermw): 1 shuffle a vector where a zero extension and a
  * shift take 2 (a 4-row x 2-vector FMA tile on bfloat16 in L1, Intel Xeon:
