@@ -154,7 +154,10 @@ static inline void PKV_FN(exp_inplace)(PKV_T *x, int n) {
     int j = 0;
     for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(x + j, PKV_FN(vexp)(PKV_VLOAD(x + j)));
 #ifdef PKV_VLOADN /* the tail in one masked vector (exp_tail_note) */
-    if (j < n) PKV_VSTOREN(x + j, PKV_FN(vexp)(PKV_VLOADN(x + j, n - j)), n - j);
+    if (j < n) {
+        const PKV_VEC t = PKV_VLOADN(x + j, n - j);
+        PKV_VSTOREN(x + j, PKV_VKEEPNAN(PKV_FN(vexp)(t), t), n - j);
+    }
 #else
     for (; j < n; j++) x[j] = PKV_FN(sexp)(x[j]);
 #endif
@@ -188,7 +191,8 @@ static inline PKV_T PKV_FN(sexp2)(PKV_T x) {
  * row); returns the sum in double.
  * exp_tail_note: where the vocabulary has masked loads and stores
  * (PKV_VLOADN: AVX-512) the last n mod PKV_W values go through the vector
- * function in one masked vector, elsewhere one at a time.  A tile whose keys
+ * function in one masked vector (a NaN argument kept as NaN, as the scalar
+ * function does), elsewhere one at a time.  A tile whose keys
  * end mid-block (most decode calls' last tile) has up to 15 of them per row
  * on AVX-512: one scalar exp each made a call over 31 keys cost more than
  * one over 32 (f32, AMD Zen 4: 8.4 against 6.8 us).  A copy padded to a
@@ -209,7 +213,8 @@ static inline double PKV_FN(exp2_shift)(PKV_T *restrict s, int n, PKV_T c2, PKV_
     }
 #ifdef PKV_VLOADN
     if (j < n) {
-        const PKV_VEC p = PKV_FN(vexp2)(PKV_VFMA(PKV_VLOADN(s + j, n - j), vc, vm));
+        const PKV_VEC t = PKV_VFMA(PKV_VLOADN(s + j, n - j), vc, vm);
+        const PKV_VEC p = PKV_VKEEPNAN(PKV_FN(vexp2)(t), t);
         PKV_VSTOREN(s + j, p, n - j);
         sum += (double)PKV_VREDUCEN(p, n - j);
     }

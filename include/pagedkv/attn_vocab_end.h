@@ -26,6 +26,7 @@
 #undef PKV_VLOADN
 #undef PKV_VSTOREN
 #undef PKV_VREDUCEN
+#undef PKV_VKEEPNAN
 #undef PKV_LD_F32
 #undef PKV_LD_BF16
 #undef PKV_LD_F16

@@ -50,6 +50,9 @@
 #define PKV_VLOADN(p, n) _mm512_maskz_loadu_pd(PKV_VMASKN(n), p)
 #define PKV_VSTOREN(p, x, n) _mm512_mask_storeu_pd(p, PKV_VMASKN(n), x)
 #define PKV_VREDUCEN(x, n) _mm512_mask_reduce_add_pd(PKV_VMASKN(n), x)
+/* p where x is a number, x (NaN) where it is not: the vector exps clamp a
+ * NaN argument away, the scalar ones keep it (attn_math.h's tails) */
+#define PKV_VKEEPNAN(p, x) _mm512_mask_mov_pd(p, _mm512_cmp_pd_mask(x, x, _CMP_UNORD_Q), x)
 #define PKV_LD_F32(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
 #define PKV_LD_BF16(p) _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
 #define PKV_LD_F16(p) _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
@@ -82,6 +85,7 @@
 #define PKV_VLOADN(p, n) _mm512_maskz_loadu_ps(PKV_VMASKN(n), p)
 #define PKV_VSTOREN(p, x, n) _mm512_mask_storeu_ps(p, PKV_VMASKN(n), x)
 #define PKV_VREDUCEN(x, n) _mm512_mask_reduce_add_ps(PKV_VMASKN(n), x)
+#define PKV_VKEEPNAN(p, x) _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x)
 /* 16 bfloat16 into the high halves of 16 float32 lanes with one zero-masked
  * word permute (vpermw): 1 shuffle a vector where a zero extension and a
  * shift take 2 (a 4-row x 2-vector FMA tile on bfloat16 in L1, Intel Xeon:
