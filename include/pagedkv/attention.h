@@ -233,9 +233,7 @@ static inline int pkv_rounds_queries_bf16(int storage, int compute, int simd, in
  * and avx512amx paths) where pkv_pv_int16 (prefetch.h) picks them. */
 static inline int pkv_quantizes_weights(int storage, int compute, int simd) {
 #if PKV_X86
-    return storage == PKV_I8 && compute == PKV_F32 &&
-           (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16) &&
-           pkv_pv_int16();
+    return storage == PKV_I8 && compute == PKV_F32 && pkv_simd_avx512_vnni(simd) && pkv_pv_int16();
 #else
     (void)storage, (void)compute, (void)simd;
     return 0;

@@ -252,12 +252,8 @@ PKV_PEAK_DEFINE_DP(pkv_peak_sdot_neondot, "arch=armv8.2-a+dotprod", int32x4_t, 4
 static inline pkv_peak_fn pkv_peak_fn_for(int kind, int simd) {
     const int f64 = kind == PKV_PEAK_FMA_F64;
 #if PKV_X86
-    if (kind == PKV_PEAK_DPBUSD &&
-        (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16))
-        return pkv_peak_dpbusd_avx512vnni;
-    if (kind == PKV_PEAK_DPWSSD &&
-        (simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16))
-        return pkv_peak_dpwssd_avx512vnni;
+    if (kind == PKV_PEAK_DPBUSD && pkv_simd_avx512_vnni(simd)) return pkv_peak_dpbusd_avx512vnni;
+    if (kind == PKV_PEAK_DPWSSD && pkv_simd_avx512_vnni(simd)) return pkv_peak_dpwssd_avx512vnni;
 #if PKV_HAVE_AVX512BF16
     if (kind == PKV_PEAK_DPBF16 && simd == PKV_SIMD_AVX512BF16) return pkv_peak_dpbf16_avx512bf16;
 #endif

@@ -223,6 +223,12 @@ static inline int pkv_simd_base(int simd) {
     }
 }
 
+/* 1 for the paths that run AVX-512 + VNNI's int8 kernels: avx512vnni and the
+ * bfloat16 and AMX paths built on it */
+static inline int pkv_simd_avx512_vnni(int simd) {
+    return simd == PKV_SIMD_AVX512VNNI || simd == PKV_SIMD_AVX512AMX || simd == PKV_SIMD_AVX512BF16;
+}
+
 /* Key lanes of one vector of path `simd`'s float32 kernels (PKV_W) */
 static inline int pkv_simd_f32_lanes(int simd) {
     switch (pkv_simd_base(simd)) {
