@@ -131,7 +131,6 @@ typedef struct {
     size_t slot_bytes;
     int pfk; /* the items prefetch their K units too (prefetch.h) */
     int l1k; /* or, not pfk, their K units' own rows into L1 (pkv_pf_l1k) */
-    int pvn; /* their P.V in AVX-512's narrow chunks (pkv_pv_narrow) */
 } pkv_decode_plan;
 
 /* A decode call that reads at least this many bytes of K+V prefetches its
@@ -141,12 +140,13 @@ typedef struct {
 #ifndef PKV_PF_K_MIN_BYTES /* -D overrides it (measurements) */
 #define PKV_PF_K_MIN_BYTES (4 << 20)
 #endif
-/* A decode call that reads at least this many bytes of K+V takes P.V in
- * narrow chunks where pkv_pv_narrow says so (prefetch.h); below it the data
- * is mostly in cache, where the wider chunk is faster (Zen 4 class, f32 B=1
- * L=512, 4 MiB: 94-95 us against 96-97). */
-#ifndef PKV_PV_NARROW_MIN_BYTES
-#define PKV_PV_NARROW_MIN_BYTES (8 << 20)
+/* A decode call of float32 or float64 storage that reads at least this many
+ * bytes of K+V runs the AVX2 kernels on an AVX-512 path where
+ * pkv_big_decode_avx2 says so (prefetch.h); below it the data is mostly in
+ * cache, where the AVX-512 kernels are faster (Zen 4 class, f32 B=1 L=512,
+ * 4 MiB, called again and again: 94 us against 109-110). */
+#ifndef PKV_AVX2_DECODE_MIN_BYTES
+#define PKV_AVX2_DECODE_MIN_BYTES (8 << 20)
 #endif
 /* A smaller decode call that reads at least this many bytes (more than
  * this core's L2 holds on the machines measured) prefetches its K units' own

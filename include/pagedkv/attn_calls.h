@@ -33,7 +33,7 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
         orows = a->qo16 ? sc.acc : (PKV_T *)a->out + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
     const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                                           lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
-                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, pl->l1k, pl->pvn, 0, orows);
+                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, pl->l1k, 0, orows);
     if (done) {
         if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
     } else if (nchunk == 1) {
@@ -66,6 +66,16 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
     for (int64_t b = 0; b < a->nseq; b++)
         work += (double)pkv_decode_visible(&a->segs[b], a->window);
     work *= 2.0 * a->hq * d;
+    /* bytes of K+V the call reads: work / (2 * hq) visible keys per kv head and dimension */
+    const double kv_bytes = work / a->hq * a->hkv * sizeof(PKV_S);
+#if defined(PKV_TAG_AVX2) && defined(PKV_STORE_NATIVE)
+    /* an AVX-512 instance over storage of its compute type: big calls run the
+     * AVX2 kernels where the CPU reads memory faster with them (prefetch.h) */
+    if (kv_bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2()) {
+        PKV_CFN_AT(decode, PKV_TAG_AVX2)(a);
+        return;
+    }
+#endif
     const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
     const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
     const int ngc = (gsz + ng_max - 1) / ng_max;
@@ -95,12 +105,9 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[1] = hpg;
         a->plan_out[2] = nchunk;
     }
-    /* bytes of K+V the call reads: work / (2 * hq) visible keys per kv head and dimension */
-    const double kv_bytes = work / a->hq * a->hkv * sizeof(PKV_S);
     const int pfk = pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES;
     const int l1k = !pfk && kv_bytes >= PKV_L1K_MIN_BYTES && pkv_pf_l1k();
-    const int pvn = kv_bytes >= PKV_PV_NARROW_MIN_BYTES && pkv_pv_narrow();
-    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pfk, l1k, pvn};
+    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pfk, l1k};
     int64_t it;
     if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -202,7 +209,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
      * tiles last to first, starting on the K/V its predecessor read last */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
-                     0, 0, (int)((it / pl->nthreads) & 1), NULL);
+                     0, (int)((it / pl->nthreads) & 1), NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

@@ -36,17 +36,19 @@
 #endif
 
 /* PKV_CFN: the instance whose storage is the compute type; the int8
- * kernels fold dequantized runs with its functions */
+ * kernels fold dequantized runs with its functions.  PKV_CFN_AT: the same
+ * instance of the vocabulary tagged `tag` (attn_calls.h) */
 #if PKV_T_F64
-#define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf64), PKV_TAG)
+#define PKV_CFN_AT(name, tag) PKV_CAT(PKV_CAT(name, _kvf64), tag)
 #else
-#define PKV_CFN(name) PKV_CAT(PKV_CAT(name, _kvf32), PKV_TAG)
+#define PKV_CFN_AT(name, tag) PKV_CAT(PKV_CAT(name, _kvf32), tag)
 #endif
+#define PKV_CFN(name) PKV_CFN_AT(name, PKV_TAG)
 
 #ifndef PKV_ONE_STORAGE
 /* storage = the compute type */
 #define PKV_S PKV_T
-#define PKV_STORE_NATIVE 1 /* (attn_tile.h: AVX-512's narrow P.V chunk) */
+#define PKV_STORE_NATIVE 1 /* (attn_calls.h: big decode calls on AVX2's kernels) */
 #define PKV_SLOAD(p) PKV_VLOAD(p)
 #define PKV_SGET(p) (*(p))
 #define PKV_KFN(name) PKV_CFN(name)
@@ -125,6 +127,7 @@
 #undef PKV_STORE_SCALED
 #endif /* !PKV_BF16_AMX && !PKV_BF16_DOT */
 #undef PKV_CFN
+#undef PKV_CFN_AT
 #undef PKV_LDSC
 
 /* the row-batch linear kernel (compute type only; dispatched by linear.h) */

@@ -19,8 +19,7 @@
  * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
  * prefetch their next unit too (decode out of memory, where the stream goes
  * into L2); l1k (decode calls below pfk's size, prefetch.h: pkv_pf_l1k): K
- * units prefetch their own K^T rows into L1 as the score tile walks them;
- * pvn: P.V in AVX-512's narrow chunks (prefetch.h: pkv_pv_narrow).
+ * units prefetch their own K^T rows into L1 as the score tile walks them.
  *
  * reverse: take the tiles last to first (items without the prefetch stream;
  * see prefill_item).
@@ -39,7 +38,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                 const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
                                 int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, int l1k, int pvn, int reverse,
+                                char *restrict qdot, int pfk, int l1k, int reverse,
                                 PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
@@ -110,7 +109,6 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     pkv_pfs pfs;
     pfs.l2 = pkv_pf_into_l2();
     pfs.l1k = 0;
-    pfs.pvn = pvn;
 #define PKV_UNIT_SLICES(t, ph, hh, ahead, ps)                                              \
     do {                                                                                   \
         int64_t t_ = (t), k_ = (int64_t)(ph) * nh + (hh) + (ahead);                        \
@@ -143,7 +141,6 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     pf_l1k.at = pf_l1k.end = NULL;
     pf_l1k.l2 = 0;
     pf_l1k.l1k = 1;
-    pf_l1k.pvn = 0;
     for (int ti = 0; ti < ntiles; ti++) {
         const int t = reverse ? ntiles - 1 - ti : ti;
         const int64_t g0 = (int64_t)t * tb;

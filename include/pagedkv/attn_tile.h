@@ -449,16 +449,6 @@ typedef struct {
 
 PKV_REGISTER_TILES(PKV_PV_MK, pv, PKV_PV_NV)
 PKV_SIX_TILE(PKV_PV_MK, pv, PKV_PV_NV)
-/* AVX-512's narrower streaming P.V chunk (pkv_pv_narrow, prefetch.h), for
- * storage in the compute type: bfloat16 and int8 storage measured slower
- * with it (Zen 4 class, B=1 L=512 73 -> 77-79 and 78-80 -> 84-87 us, B=8
- * L=2048 5-8% slower) */
-#if PKV_X86 && PKV_PV_NV == 4 && defined(PKV_STORE_NATIVE)
-#define PKV_PV_NARROW_TILE 1
-PKV_PV_MK(pv_4x2, 4, 2, 1, 1)
-#else
-#define PKV_PV_NARROW_TILE 0
-#endif
 #undef PKV_SIX_TILE
 #undef PKV_PV_SCALES
 #undef PKV_PV_LOADV
@@ -564,14 +554,6 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
     int i = 0;
 #if PKV_PVI
     if (R == 4 && pkv_pv_int16()) i = PKV_KFN(values_i16)(y, al, pr, ngr, runs, nr, bs, d, ps);
-#endif
-#if PKV_PV_NARROW_TILE
-    if (R == 4 && ps && ps->pvn)
-        for (; i + 2 * PKV_W <= d; i += 2 * PKV_W) {
-            PKV_PV_WEIGHTS(i)
-            for (int g = 0; g < ngr; g++)
-                PKV_KFN(pv_4x2)(y + 4 * g, al + 4 * g, pw + 4 * g, runs, nr, bs, d, i, ps);
-        }
 #endif
     if (R == 4) {
         for (; i + PKV_PV_NV * PKV_W <= d; i += PKV_PV_NV * PKV_W) {
@@ -796,7 +778,6 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
     }
 }
 #undef PKV_PV_FOLD
-#undef PKV_PV_NARROW_TILE
 #undef PKV_PVI
 #undef PKV_QROWS
 #undef PKV_QVEC

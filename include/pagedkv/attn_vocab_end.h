@@ -39,3 +39,4 @@
 #undef PKV_T
 #undef PKV_T_F64
 #undef PKV_TAG
+#undef PKV_TAG_AVX2

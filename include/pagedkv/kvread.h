@@ -27,12 +27,30 @@
 #include "simd.h"
 #include "types.h"
 
+/* The instruction set whose loads a ceiling of `bytes` reads with on path
+ * `simd`: the path's own (its base: pkv_simd_base), but AVX2's where decode
+ * calls of that size run the AVX2 kernels on an AVX-512 path (prefetch.h:
+ * pkv_big_decode_avx2), as they read memory faster there (Zen 4 class, one
+ * thread, 64 MiB: 33.9-35.9 GB/s with 256-bit loads against 31.7-32.2 with
+ * 512-bit ones, benchmarks/c/decode_ceiling.c; in cache the 512-bit loads
+ * are the faster).  A ceiling reads as the kernels it judges do. */
+static inline int pkv_read_simd(int simd, double bytes) {
+    simd = pkv_simd_base(simd);
+#if PKV_X86
+    if (simd == PKV_SIMD_AVX512 && bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2())
+        return PKV_SIMD_AVX2;
+#else
+    (void)bytes;
+#endif
+    return simd;
+}
+
 /* Read n elements of p (dtype 0 = f32, 1 = f64) split over nthreads threads;
  * returns their sum (so the reads cannot be optimized away). */
 static inline double pkv_read_sum(const void *p, size_t n, int dtype, int simd, int nthreads) {
     typedef double (*sum_fn)(const void *, size_t);
     sum_fn f = dtype ? (sum_fn)stream_sum_f64_scalar : (sum_fn)stream_sum_f32_scalar;
-    simd = pkv_simd_base(simd);
+    simd = pkv_read_simd(simd, (double)n * (dtype ? 8 : 4));
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) f = dtype ? (sum_fn)stream_sum_f64_avx512 : (sum_fn)stream_sum_f32_avx512;
     else if (simd == PKV_SIMD_AVX2) f = dtype ? (sum_fn)stream_sum_f64_avx2 : (sum_fn)stream_sum_f32_avx2;
@@ -118,8 +136,8 @@ PKV_XOR_BYTES_DEFINE(pkv_xor_bytes_avx512, __m512i, 64, _mm512_setzero_si512, _m
  * baseline instruction set (SSE2, Advanced SIMD). */
 typedef uint64_t (*pkv_xor_fn)(const char *, size_t);
 
-static inline pkv_xor_fn pkv_xor_bytes_for(int simd) {
-    simd = pkv_simd_base(simd);
+static inline pkv_xor_fn pkv_xor_bytes_for(int simd, double bytes) {
+    simd = pkv_read_simd(simd, bytes);
 #if PKV_X86
     if (simd == PKV_SIMD_AVX512) return pkv_xor_bytes_avx512;
     if (simd == PKV_SIMD_AVX2) return pkv_xor_bytes_avx2;
@@ -171,9 +189,9 @@ static inline uint64_t pkv_read_pattern(const char *k, const char *v, size_t pla
                                         size_t block_stride, int bs, int64_t nseq,
                                         const int32_t *const *tables, const pkv_segs *segs,
                                         int simd, int nthreads, size_t *bytes_read) {
-    const pkv_xor_fn f = pkv_xor_bytes_for(simd);
     int64_t total = 0;
     for (int64_t s = 0; s < nseq; s++) total += pkv_pattern_runs(&segs[s], bs);
+    const pkv_xor_fn f = pkv_xor_bytes_for(simd, (double)total * 2 * (double)plane_bytes);
     if (bytes_read) *bytes_read = (size_t)total * 2 * plane_bytes;
     if (nthreads < 1) nthreads = 1;
     if (total < nthreads) nthreads = total > 0 ? (int)total : 1;

@@ -41,7 +41,6 @@ typedef struct {
     const char *at, *end; /* next line to prefetch in slice cur, and its end */
     int l2;            /* 1: prefetch into L2 (prefetcht1), 0: into L1 (prefetcht0) */
     int l1k;           /* no slices: the unit's own K^T rows into L1 (pkv_pf_l1k) */
-    int pvn;           /* P.V (tile_values) in AVX-512's narrow chunks (pkv_pv_narrow) */
 } pkv_pfs;
 
 /* pkv_cpu_vendor, asked once per process (cpuid traps to the hypervisor in a VM) */
@@ -154,21 +153,25 @@ static inline int pkv_pf_ahead(void) {
 #endif
 }
 
-/* Whether P.V of decode calls of PKV_PV_NARROW_MIN_BYTES or more (attn_args.h)
- * walks each V row in chunks of two vectors instead of PKV_PV_NV = 4, on
- * AVX-512 with float32 or float64 storage (attn_tile.h: pv_4x2): on AMD
- * family 0x19 (Zen 4; Zen 3 has no AVX-512), elsewhere not.  Measured on
- * the Zen 4 class (family 0x19 model 0x11, benchmarks/c/decode_ceiling.c,
- * one thread, two builds alternated 3-4 times, medians): f32 B=1 L=8192
- * 3.71-3.99 -> 3.40-3.69 ms, B=8 L=2048 7.61-8.18 -> 7.19-7.42 ms, f64 B=1
- * L=8192 8.18-8.72 -> 7.57-7.71 ms; B=1 L=512 (4 MiB, in cache) 1-4% slower,
- * hence the size limit.  Four V lines per step of P.V against two: the
- * prefetch stream's pace follows (PKV_PF_STEP_LINES); one vector a chunk
- * measured no better.  Not measured on Intel, which keeps the wider chunk.
- * -DPKV_PV_NARROW=0/1 forces it (tests, measurements). */
-static inline int pkv_pv_narrow(void) {
-#ifdef PKV_PV_NARROW
-    return PKV_PV_NARROW;
+/* Whether decode calls of float32 or float64 storage that read
+ * PKV_AVX2_DECODE_MIN_BYTES or more (attn_args.h) run the AVX2 kernels on an
+ * AVX-512 path (attn_calls.h): on AMD family 0x19 (Zen 4; Zen 3 has no
+ * AVX-512), elsewhere not.  Out of memory the AVX2 kernels decoded faster
+ * there: `pagedkv bench --suites bandwidth,decode`, the two paths alternated
+ * three times (Zen 4 class, family 0x19 model 0x11, one thread): f32 B=8
+ * L=2048 5.97-6.64 ms against 7.05-8.17, B=1 L=8192 2.06-2.35 against
+ * 3.36-3.71, f64 B=8 L=2048 12.9-14.0 against 13.9-16.2; two threads
+ * 4.23-4.47 against 4.64-5.59 (f32 B=8 L=2048).  In cache the AVX-512
+ * kernels are faster (K/V in L2 11.9-12.1 us against 13.4-13.9), hence the
+ * size limit.  The sequential read of 512-bit loads is slower than that of
+ * 256-bit ones on the same core (kvread.h); narrower P.V chunks and score
+ * tiles in the AVX-512 kernels, and 512-bit loads split in two, did not
+ * close the gap (docs/performance.md).  Not measured on Intel or Zen 5,
+ * which keep their AVX-512 kernels.
+ * -DPKV_AVX2_DECODE=0/1 forces it (tests, measurements). */
+static inline int pkv_big_decode_avx2(void) {
+#ifdef PKV_AVX2_DECODE
+    return PKV_AVX2_DECODE;
 #else
     return pkv_cpu_amd_19h();
 #endif

@@ -24,6 +24,7 @@
 #if PKV_T_F64
 #define PKV_T double
 #define PKV_TAG _f64_avx512
+#define PKV_TAG_AVX2 _f64_avx2 /* the same compute type's AVX2 kernels (attn_calls.h) */
 #define PKV_VEC __m512d
 #define PKV_W 8
 #define PKV_SC_NV 4
@@ -60,6 +61,7 @@
 #else
 #define PKV_T float
 #define PKV_TAG _f32_avx512
+#define PKV_TAG_AVX2 _f32_avx2
 #define PKV_VEC __m512
 #define PKV_W 16
 #define PKV_SC_NV 4

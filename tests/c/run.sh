@@ -55,8 +55,9 @@ build "$cc" "$out/test_kernels"
 # the prefetch stream goes into L1 or L2, one or two units ahead, by CPU (prefetch.h): run
 # forced choices, so those this CPU does not take are tested too: into L2 two units ahead, with
 # every smaller decode call's K units prefetching their own rows into L1 (l1k, by default only
-# on Intel and for calls of 2 MiB or more), AVX-512's narrow P.V chunks of streaming decode and
-# int8 values' P.V on int16 weights (both by default only on AMD family 0x19), and into L1 one
+# on Intel and for calls of 2 MiB or more), float32 and float64 decode on an AVX-512 path
+# running the AVX2 kernels (by default only calls of 8 MiB or more) and int8 values' P.V on
+# int16 weights (both by default only on AMD family 0x19), and into L1 one
 # unit ahead without any of them; the second also makes two decode work items a thread
 # (attn_args.h; by default only on 8 threads or more), so its key split runs on these tests' 2
 # threads
@@ -64,15 +65,16 @@ for loc in 2 3; do
     ahead=$((4 - loc))
     items=$((loc - 1))
     l1k=$((3 - loc))
-    narrow=$((3 - loc))
+    avx2dec=$((3 - loc))
     pvi=$((3 - loc))
     echo "== native, the prefetch stream forced into L$((4 - loc)), $ahead unit(s) ahead," \
-         "$items decode item(s) a thread, l1k $l1k, narrow P.V chunks $narrow, int16 P.V $pvi" \
+         "$items decode item(s) a thread, l1k $l1k, AVX-512 decode on AVX2 $avx2dec, int16 P.V $pvi" \
          "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead -DPKV_DECODE_ITEMS_MIN=$items" \
-         "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow -DPKV_PV_NARROW_MIN_BYTES=0 -DPKV_PV_INT16=$pvi)"
+         "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_AVX2_DECODE=$avx2dec -DPKV_AVX2_DECODE_MIN_BYTES=0" \
+         "-DPKV_PV_INT16=$pvi)"
     build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead \
-        -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_PV_NARROW=$narrow \
-        -DPKV_PV_NARROW_MIN_BYTES=0 -DPKV_PV_INT16=$pvi
+        -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_AVX2_DECODE=$avx2dec \
+        -DPKV_AVX2_DECODE_MIN_BYTES=0 -DPKV_PV_INT16=$pvi
     "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
 done
 
