@@ -28,12 +28,15 @@
 #include "types.h"
 
 /* The instruction set whose loads a ceiling of `bytes` reads with on path
- * `simd`: the path's own (its base: pkv_simd_base), but AVX2's where decode
- * calls of that size run the AVX2 kernels on an AVX-512 path (prefetch.h:
- * pkv_big_decode_avx2), as they read memory faster there (Zen 4 class, one
- * thread, 64 MiB: 33.9-35.9 GB/s with 256-bit loads against 31.7-32.2 with
- * 512-bit ones, benchmarks/c/decode_ceiling.c; in cache the 512-bit loads
- * are the faster).  A ceiling reads as the kernels it judges do. */
+ * `simd`: the path's own (its base: pkv_simd_base), but AVX2's where float32
+ * and float64 decode calls of that size run the AVX2 kernels on an AVX-512
+ * path (prefetch.h: pkv_big_decode_avx2), because 256-bit loads read memory
+ * faster there (Zen 4 class, one thread, 64 MiB: 33.9-35.9 GB/s against
+ * 31.7-32.2 with 512-bit loads, benchmarks/c/decode_ceiling.c; in cache the
+ * 512-bit loads were the faster: the 128 KiB pattern read of `pagedkv bench`'s
+ * small call 1.42 us against 1.66).  So a ceiling is the faster of the two
+ * reads, also for the narrower storages, whose kernels load 8-32 bytes at a
+ * time and widen them. */
 static inline int pkv_read_simd(int simd, double bytes) {
     simd = pkv_simd_base(simd);
 #if PKV_X86
