@@ -148,6 +148,12 @@ typedef struct {
 #ifndef PKV_AVX2_DECODE_MIN_BYTES
 #define PKV_AVX2_DECODE_MIN_BYTES (8 << 20)
 #endif
+/* 1 when a decode call reading kv_bytes of float32 or float64 K+V runs the
+ * AVX2 kernels on an AVX-512 path (attn_calls.h), and the read ceilings of
+ * that size read with AVX2's loads (kvread.h) */
+static inline int pkv_decode_on_avx2(double kv_bytes) {
+    return kv_bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2();
+}
 /* A smaller decode call that reads at least this many bytes (more than
  * this core's L2 holds on the machines measured) prefetches its K units' own
  * rows into L1 where pkv_pf_l1k says so (prefetch.h); smaller calls, most

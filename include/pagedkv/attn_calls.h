@@ -71,7 +71,7 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
 #if defined(PKV_TAG_AVX2) && defined(PKV_STORE_NATIVE)
     /* an AVX-512 instance over storage of its compute type: big calls run the
      * AVX2 kernels where the CPU reads memory faster with them (prefetch.h) */
-    if (kv_bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2()) {
+    if (pkv_decode_on_avx2(kv_bytes)) {
         PKV_CFN_AT(decode, PKV_TAG_AVX2)(a);
         return;
     }

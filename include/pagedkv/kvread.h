@@ -30,7 +30,7 @@
 /* The instruction set whose loads a ceiling of `bytes` reads with on path
  * `simd`: the path's own (its base: pkv_simd_base), but AVX2's where float32
  * and float64 decode calls of that size run the AVX2 kernels on an AVX-512
- * path (prefetch.h: pkv_big_decode_avx2), because 256-bit loads read memory
+ * path (attn_args.h: pkv_decode_on_avx2), because 256-bit loads read memory
  * faster there (Zen 4 class, one thread, 64 MiB: 33.9-35.9 GB/s against
  * 31.7-32.2 with 512-bit loads, benchmarks/c/decode_ceiling.c; in cache the
  * 512-bit loads were the faster: the 128 KiB pattern read of `pagedkv bench`'s
@@ -40,8 +40,7 @@
 static inline int pkv_read_simd(int simd, double bytes) {
     simd = pkv_simd_base(simd);
 #if PKV_X86
-    if (simd == PKV_SIMD_AVX512 && bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2())
-        return PKV_SIMD_AVX2;
+    if (simd == PKV_SIMD_AVX512 && pkv_decode_on_avx2(bytes)) return PKV_SIMD_AVX2;
 #else
     (void)bytes;
 #endif
