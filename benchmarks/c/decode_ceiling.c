@@ -16,7 +16,10 @@
  * flags: the SIMD path is chosen at run time, PAGEDKV_SIMD=scalar|avx2|
  * avx512|neon forces one).  Build and run: see run.sh next to this file.
  *
- * usage: decode_ceiling [f32|f64] B L threads rounds [Hq Hkv D bs]
+ * i8 stores K/V as int8 with a float32 scale per 32 values (random bytes
+ * and scales), decoded in float32 on the path's int8 kernels.
+ *
+ * usage: decode_ceiling [f32|f64|i8] B L threads rounds [Hq Hkv D bs]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,11 +112,15 @@ static int simd_from_env(void) {
 /* Largest |out - reference| / max |reference| of decode: a plain double
  * loop over the same pool (the harness refuses to time a wrong kernel). */
 static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
+    const int i8 = g->store.scaled;
     const int d = a->d, bs = a->bs, gsz = a->hq / a->hkv;
     const int64_t L = a->segs[0].b1;
     double *s = xalloc(sizeof(double) * L), *o = xalloc(sizeof(double) * d);
     double err = 0, big = 0;
 #define AT(p, i) (f64 ? ((const double *)(p))[i] : (double)((const float *)(p))[i])
+/* a stored value; an int8 value's scale: slot t of head kh, dimension i, in the plane at p */
+#define KV(p, i) (i8 ? (double)((const int8_t *)(p))[i] : AT(p, i))
+#define SC(p, kh, i, t) (i8 ? (double)((const float *)((const char *)(p) + g->scale_offset + (size_t)(kh) * bs * g->scale_row))[(size_t)((i) / PKV_I8_GROUP) * bs + (t)] : 1.0)
     for (int64_t b = 0; b < a->nseq; b++)
         for (int h = 0; h < a->hq; h++) {
             const int kh = h / gsz;
@@ -121,20 +128,21 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
             double mx = -INFINITY, sum = 0;
             for (int64_t t = 0; t < L; t++) {
                 /* K is transposed inside a block-head: [dim][slot] (types.h) */
-                const char *kp = (const char *)a->k + (size_t)a->tables[b][t / bs] * g->block_bytes +
-                                 (size_t)kh * g->head_bytes;
+                const char *kpl = (const char *)a->k + (size_t)a->tables[b][t / bs] * g->block_bytes;
+                const char *kp = kpl + (size_t)kh * g->head_bytes;
                 double x = 0;
-                for (int i = 0; i < d; i++) x += AT(a->q, qo + i) * AT(kp, (size_t)i * bs + t % bs);
+                for (int i = 0; i < d; i++)
+                    x += AT(a->q, qo + i) * KV(kp, (size_t)i * bs + t % bs) * SC(kpl, kh, i, t % bs);
                 s[t] = x * a->scale;
                 if (s[t] > mx) mx = s[t];
             }
             memset(o, 0, sizeof(double) * d);
             for (int64_t t = 0; t < L; t++) {
-                const char *vp = (const char *)a->v + (size_t)a->tables[b][t / bs] * g->block_bytes +
-                                 ((size_t)kh * bs + t % bs) * g->row_bytes;
+                const char *vpl = (const char *)a->v + (size_t)a->tables[b][t / bs] * g->block_bytes;
+                const char *vp = vpl + ((size_t)kh * bs + t % bs) * g->row_bytes;
                 const double p = exp(s[t] - mx);
                 sum += p;
-                for (int i = 0; i < d; i++) o[i] += p * AT(vp, i);
+                for (int i = 0; i < d; i++) o[i] += p * KV(vp, i) * SC(vpl, kh, i, t % bs);
             }
             for (int i = 0; i < d; i++) {
                 const double want = o[i] / sum, got = AT(a->out, qo + i);
@@ -143,6 +151,8 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
             }
         }
 #undef AT
+#undef SC
+#undef KV
     free(s);
     free(o);
     return err / (big > 0 ? big : 1);
@@ -150,10 +160,10 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s f32|f64 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
+        fprintf(stderr, "usage: %s f32|f64|i8 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
         return 2;
     }
-    const int f64 = !strcmp(argv[1], "f64");
+    const int f64 = !strcmp(argv[1], "f64"), i8 = !strcmp(argv[1], "i8");
     const int64_t B = atoll(argv[2]), L = atoll(argv[3]);
     const int nthreads = atoi(argv[4]), rounds = atoi(argv[5]);
     const int hq = argc > 6 ? atoi(argv[6]) : 32, hkv = argc > 7 ? atoi(argv[7]) : 8;
@@ -163,9 +173,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int simd = simd_from_env();
-    const pkv_dtype dt = f64 ? PKV_F64 : PKV_F32;
+    const pkv_dtype dt = f64 ? PKV_F64 : PKV_F32; /* the compute type */
     const size_t item = f64 ? 8 : 4;
-    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, dt);
+    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, i8 ? PKV_I8 : dt);
     const int64_t nblk = (L + bs - 1) / bs, nb = B * nblk;
 
     /* pool, blocks shuffled */
@@ -190,8 +200,16 @@ int main(int argc, char **argv) {
         const size_t n = 2 * g.plane_bytes / item;
         for (size_t j = 0; j < n; j++) {
             if (f64) ((double *)blk)[j] = urand();
-            else ((float *)blk)[j] = (float)urand();
+            else if (!i8) ((float *)blk)[j] = (float)urand();
         }
+        if (i8) /* values in [-127, 127], then each plane's scales in [0.5, 1.5] / 127 */
+            for (int pl = 0; pl < 2; pl++) {
+                char *p = blk + (size_t)pl * g.plane_bytes;
+                for (size_t j = 0; j < g.scale_offset; j++) p[j] = (char)(int8_t)(rng() % 255 - 127);
+                float *sc = (float *)(p + g.scale_offset);
+                for (size_t j = 0; j < (g.plane_bytes - g.scale_offset) / 4; j++)
+                    sc[j] = (float)((1.0 + 0.5 * urand()) / 127.0);
+            }
     }
     char *q = xalloc((size_t)B * hq * d * item), *out = xalloc((size_t)B * hq * d * item);
     for (size_t j = 0; j < (size_t)B * hq * d; j++) {
@@ -226,7 +244,8 @@ int main(int argc, char **argv) {
     a.partial_slots = slots;
     a.nthreads = nthreads;
     a.plan_out = plan;
-    const pkv_kernels *kern = pkv_kernels_for(dt, dt, simd);
+    a.scale_offset = g.scale_offset;
+    const pkv_kernels *kern = pkv_kernels_for(i8 ? PKV_I8 : dt, dt, simd);
     if (!kern) {
         fprintf(stderr, "no kernel for this dtype / SIMD path\n");
         return 1;
@@ -249,7 +268,8 @@ int main(int argc, char **argv) {
                               nthreads, &pat_bytes);
     kern->decode(&a);
     const double err = check(&a, &g, f64);
-    if (err > (f64 ? 1e-12 : 1e-5)) {
+    /* int8: the integer paths round the query to int8 and the weights to int16 */
+    if (err > (f64 ? 1e-12 : i8 ? 1e-2 : 1e-5)) {
         fprintf(stderr, "decode differs from the reference: max error %.3g of max |out|\n", err);
         return 1;
     }
@@ -270,7 +290,7 @@ int main(int argc, char **argv) {
     }
     printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
            "K+V %.1f MiB, %d rounds, max error %.1e\n",
-           f64 ? "f64" : "f32", (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
+           argv[1], (long long)B, (long long)L, hq, hkv, d, bs, nthreads,
            simd_names[simd], (long long)plan[0], (long long)plan[1], (long long)plan[2],
            kv / 1048576.0, rounds, err);
     /* per round: pattern time / decode time of the same round (robust to a

@@ -211,6 +211,32 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                     runs[u].ksc = runs[u].vsc = NULL;
 #endif
                 }
+#if PKV_STORE_SCALED
+                /* the scales into L1 before their loads wait on L2: a K
+                 * unit's own (read when its scores are summed, after its
+                 * integer products), and the next V unit's (read first of
+                 * all by P.V); the next tile's came into the stream's level
+                 * in a burst (above).  On the Zen 4 class (avx512bf16 path)
+                 * perf put about a tenth of int8 decode's time on those
+                 * loads; after it, benchmarks/c/decode_ceiling i8, the two
+                 * builds alternated six times, B=8 L=2048 one thread
+                 * 12.8-15.4 -> 13.6-17.2 GB/s (CPU time 68-85% -> 70-90% of
+                 * the pattern read's), B=2 L=4096 14.2-19.0 -> 19.0-20.0
+                 * GB/s, K/V in L2 (B=1 L=227) within 2% either way. */
+                if (stream) {
+                    const char *sb = NULL;
+                    if (ph == 0 && !a->rope) sb = ksc + (size_t)hh * hscales;
+                    for (int pass = 0; pass < 2; pass++) {
+                        if (sb)
+                            for (int u = 0; u < cnt; u++) {
+                                const char *p = sb + (size_t)table[bidx[u]] * bstride;
+                                pkv_pf_range(p, p + hscales, 0);
+                            }
+                        sb = ph == 0 ? (hh + 1 == nh ? vsc : NULL)
+                                     : (hh + 1 < nh ? vsc + (size_t)(hh + 1) * hscales : NULL);
+                    }
+                }
+#endif
                 PKV_T *sh = sbuf + (size_t)hh * na * ldc;
                 if (ph == 0) {
                     const PKV_T *qh = q + (size_t)hh * nqh * d;

@@ -156,14 +156,18 @@ def test_decode_over_two_segments_matches_reference(dtype):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the harness")
 def test_c_harness_builds_and_checks_decode(tmp_path):
     """benchmarks/c/decode_ceiling.c compiles with the portable flags and its
-    decode agrees with its own double reference (it exits 1 otherwise)."""
+    decode agrees with its own double reference (it exits 1 otherwise), over
+    float32, float64 and int8 storage (blocks of 16 keys: the integer dot
+    paths' scores where the machine has them; of 8: the widened keys)."""
     exe = tmp_path / "decode_ceiling"
     src = os.path.join(ROOT, "benchmarks", "c", "decode_ceiling.c")
     subprocess.run(["cc", "-O1", "-std=c11", "-D_POSIX_C_SOURCE=200112L", "-fopenmp",
                     "-I" + os.path.join(ROOT, "include"), src, "-o", str(exe), "-lm"],
                    check=True, capture_output=True, timeout=600)  # a guard against a hang only
     for args in (["f32", "3", "70", "2", "3", "8", "2", "36", "16"],
-                 ["f64", "1", "300", "1", "3", "6", "3", "17", "5"]):
+                 ["f64", "1", "300", "1", "3", "6", "3", "17", "5"],
+                 ["i8", "2", "200", "2", "3", "8", "2", "64", "16"],
+                 ["i8", "1", "150", "1", "3", "4", "4", "72", "8"]):
         proc = subprocess.run([str(exe)] + args, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert "of pattern" in proc.stdout and "max error" in proc.stdout
