@@ -276,7 +276,7 @@ def test_demo_serve_rejects_bad_counts(capsys):
 
 def test_bench_targets_show_the_small_call_against_its_pattern_read():
     from pagedkv.benchmarks import runner
-    t = {"decode": [], "decode_kv": [], "decode_l2": [], "prefill": None, "append": None,
+    t = {"decode": [], "decode_kv": [], "decode_l2": [], "prefill": [], "append": None,
          "small_call": [{"dtype": "float32", "threads": 1, "us_per_call": 3.0,
                          "pattern_us_per_call": 1.2, "torch_us_per_call": 9.0,
                          "ratio_vs_torch": 3.0}]}
@@ -302,3 +302,24 @@ def test_append_bench_check_accepts_the_rounding_and_nothing_more(kv_dtype):
         bad = k.copy()
         bad[at] += 0.02 * float(np.abs(x).max())  # 5x int8's half step, far past 16-bit rounding
         assert not _close(bad, x, kv_dtype)
+
+
+def test_prefill_target_at_each_thread_count():
+    """The targets table gives causal prefill f32 L=2048 against torch at 1 thread and at the
+    largest count, each with its time, as it does for decode."""
+    from pagedkv.benchmarks.runner import compute_targets, format_targets
+
+    def rec(t, secs, torch_secs):
+        return {"suite": "prefill", "dtype": "float32", "L": 2048, "threads": t,
+                "torch_variant": "enable_gqa",
+                "results": {"pagedkv": {"median_s": secs, "gflops": 100.0 / secs},
+                            "torch-sdpa": {"median_s": torch_secs, "gflops": 100.0 / torch_secs}},
+                "ratios": {"torch-sdpa": torch_secs / secs}}
+
+    records = [rec(1, 0.4, 0.6), rec(2, 0.2, 0.35), rec(4, 0.1, 0.2)]
+    t = compute_targets(records, types.SimpleNamespace(threads=[1, 2]))
+    assert [(p["threads"], p["time_s"]) for p in t["prefill"]] == [(1, 0.4), (2, 0.2)]
+    assert [p["ratio_vs_torch"] for p in t["prefill"]] == pytest.approx([1.5, 1.75])
+    rows = [line for line in format_targets(t).splitlines() if line.startswith("prefill causal")]
+    assert len(rows) == 2 and "1.50x" in rows[0] and "1.75x" in rows[1]
+    assert compute_targets([], types.SimpleNamespace(threads=[1]))["prefill"] == []

@@ -280,7 +280,7 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
     tmax = max(settings.threads)
     tcounts = sorted(set(settings.threads) & {1, tmax}) or sorted(settings.threads)
     out: dict = {"decode": [], "decode_kv": [], "decode_l2": [], "small_call": [],
-                 "prefill": None, "append": None}
+                 "prefill": [], "append": None}
     for dtype in ("float32", "float64"):
         for B, L in ((8, 2048), (1, 8192)):
             for t in tcounts:
@@ -337,14 +337,17 @@ def compute_targets(records: List[dict], settings: Settings) -> dict:
                 "pattern_us_per_call": pat["median_s"] * 1e6 if pat else None,
                 "torch_us_per_call": tr["median_s"] * 1e6 if tr else None,
                 "ratio_vs_torch": r["ratios"].get(decode_suite.TORCH)})
-    r = _find(records, suite="prefill", dtype="float32", L=2048, threads=tmax)
-    if r is not None:
+    for t in tcounts:
+        r = _find(records, suite="prefill", dtype="float32", L=2048, threads=t)
+        if r is None:
+            continue
         tr = r["results"].get(prefill_suite.TORCH)
-        out["prefill"] = {"dtype": "float32", "L": 2048, "threads": tmax,
-                          "gflops": r["results"][PAGEDKV]["gflops"],
-                          "torch_gflops": tr["gflops"] if tr else None,
-                          "torch_variant": r.get("torch_variant"),
-                          "ratio_vs_torch": r["ratios"].get(prefill_suite.TORCH)}
+        out["prefill"].append({"dtype": "float32", "L": 2048, "threads": t,
+                               "time_s": r["results"][PAGEDKV]["median_s"],
+                               "gflops": r["results"][PAGEDKV]["gflops"],
+                               "torch_gflops": tr["gflops"] if tr else None,
+                               "torch_variant": r.get("torch_variant"),
+                               "ratio_vs_torch": r["ratios"].get(prefill_suite.TORCH)})
     r = _find(records, suite="append", dtype="float32", kv_dtype="float32", call="append")
     if r is not None:
         p = r["results"][PAGEDKV]
@@ -395,9 +398,8 @@ def format_targets(t: dict) -> str:
                      "torch-sdpa " + fmt_time(d["torch_us_per_call"] * 1e-6
                                               if d["torch_us_per_call"] is not None else None),
                      fmt_ratio(d["ratio_vs_torch"])])
-    p = t["prefill"]
-    if p is not None:
-        rows.append([f"prefill causal f32 L={p['L']}", str(p["threads"]), "",
+    for p in t["prefill"]:
+        rows.append([f"prefill causal f32 L={p['L']}", str(p["threads"]), fmt_time(p["time_s"]),
                      f"{fmt_num(p['gflops'])} useful GFLOP/s",
                      f"torch-sdpa {fmt_num(p['torch_gflops'])} GFLOP/s",
                      fmt_ratio(p["ratio_vs_torch"])])
