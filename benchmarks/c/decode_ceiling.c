@@ -109,6 +109,12 @@ static int simd_from_env(void) {
     return want;
 }
 
+/* The scale of an int8 value in the plane at p: slot t of head kh, dimension i (types.h) */
+static double i8_scale(const pkv_geom *g, const char *p, int kh, int i, int64_t t) {
+    const float *sc = (const float *)(p + g->scale_offset + (size_t)kh * g->bs * g->scale_row);
+    return sc[(size_t)(i / PKV_I8_GROUP) * g->bs + (size_t)t];
+}
+
 /* Largest |out - reference| / max |reference| of decode: a plain double
  * loop over the same pool (the harness refuses to time a wrong kernel). */
 static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
@@ -118,9 +124,9 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
     double *s = xalloc(sizeof(double) * L), *o = xalloc(sizeof(double) * d);
     double err = 0, big = 0;
 #define AT(p, i) (f64 ? ((const double *)(p))[i] : (double)((const float *)(p))[i])
-/* a stored value; an int8 value's scale: slot t of head kh, dimension i, in the plane at p */
+/* a stored value, and its scale (1 but for int8) */
 #define KV(p, i) (i8 ? (double)((const int8_t *)(p))[i] : AT(p, i))
-#define SC(p, kh, i, t) (i8 ? (double)((const float *)((const char *)(p) + g->scale_offset + (size_t)(kh) * bs * g->scale_row))[(size_t)((i) / PKV_I8_GROUP) * bs + (t)] : 1.0)
+#define SC(p, kh, i, t) (i8 ? i8_scale(g, p, kh, i, t) : 1.0)
     for (int64_t b = 0; b < a->nseq; b++)
         for (int h = 0; h < a->hq; h++) {
             const int kh = h / gsz;
@@ -205,7 +211,7 @@ int main(int argc, char **argv) {
         if (i8) /* values in [-127, 127], then each plane's scales in [0.5, 1.5] / 127 */
             for (int pl = 0; pl < 2; pl++) {
                 char *p = blk + (size_t)pl * g.plane_bytes;
-                for (size_t j = 0; j < g.scale_offset; j++) p[j] = (char)(int8_t)(rng() % 255 - 127);
+                for (size_t j = 0; j < g.scale_offset; j++) p[j] = (char)((int)(rng() % 255) - 127);
                 float *sc = (float *)(p + g.scale_offset);
                 for (size_t j = 0; j < (g.plane_bytes - g.scale_offset) / 4; j++)
                     sc[j] = (float)((1.0 + 0.5 * urand()) / 127.0);

@@ -224,17 +224,11 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                  * the pattern read's), B=2 L=4096 14.2-19.0 -> 19.0-20.0
                  * GB/s, K/V in L2 (B=1 L=227) within 2% either way. */
                 if (stream) {
-                    const char *sb = NULL;
-                    if (ph == 0 && !a->rope) sb = ksc + (size_t)hh * hscales;
-                    for (int pass = 0; pass < 2; pass++) {
-                        if (sb)
-                            for (int u = 0; u < cnt; u++) {
-                                const char *p = sb + (size_t)table[bidx[u]] * bstride;
-                                pkv_pf_range(p, p + hscales, 0);
-                            }
-                        sb = ph == 0 ? (hh + 1 == nh ? vsc : NULL)
-                                     : (hh + 1 < nh ? vsc + (size_t)(hh + 1) * hscales : NULL);
-                    }
+                    if (ph == 0 && !a->rope) /* this K unit's */
+                        pkv_pf_blocks_l1(ksc + (size_t)hh * hscales, table, bidx, cnt, bstride, hscales);
+                    const int vh = ph == 0 ? (hh + 1 == nh ? 0 : -1) : (hh + 1 < nh ? hh + 1 : -1);
+                    if (vh >= 0) /* the next V unit's: the first after the last K unit */
+                        pkv_pf_blocks_l1(vsc + (size_t)vh * hscales, table, bidx, cnt, bstride, hscales);
                 }
 #endif
                 PKV_T *sh = sbuf + (size_t)hh * na * ldc;

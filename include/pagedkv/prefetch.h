@@ -30,6 +30,7 @@
  */
 #pragma once
 #include <stddef.h>
+#include <stdint.h>
 #include "simd.h"
 
 #define PKV_PF_STRIDE 64  /* every line */
@@ -259,6 +260,16 @@ static inline void pkv_pf_range(const char *at, const char *end, int l2) {
         for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 2);
     else
         for (; at < end; at += PKV_PF_STRIDE) __builtin_prefetch(at, 0, 3);
+}
+
+/* len bytes at base + table[bidx[u]] * bstride into L1, for u in [0, cnt):
+ * one slice of each of a tile's blocks */
+static inline void pkv_pf_blocks_l1(const char *base, const int32_t *table, const int64_t *bidx, int cnt,
+                                    size_t bstride, size_t len) {
+    for (int u = 0; u < cnt; u++) {
+        const char *p = base + (size_t)table[bidx[u]] * bstride;
+        pkv_pf_range(p, p + len, 0);
+    }
 }
 
 /* issue whatever the steps left (the unit ended before its estimate) */
