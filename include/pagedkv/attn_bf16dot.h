@@ -16,7 +16,7 @@
  * The query is rounded to bfloat16 once per work item (each row as given:
  * the softmax step applies the scale, attn_tile.h), to nearest even, with
  * vcvtne2ps2bf16.  That is this path's accuracy cost, documented in
- * docs/performance.md: a query value's relative error is at most 2^-9, the
+ * docs/performance.md: a query value's relative error is at most 2^-8, the
  * same rounding the keys took when stored.  Like every AVX512_BF16
  * instruction, the conversion and the dot product take subnormal inputs as
  * zero and flush subnormal results (values below 2^-126, far below any
