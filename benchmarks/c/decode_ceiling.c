@@ -203,12 +203,7 @@ int main(int argc, char **argv) {
     }
     for (int64_t i = 0; i < nb; i++) {
         char *blk = arena + (size_t)i * g.block_bytes;
-        const size_t n = 2 * g.plane_bytes / item;
-        for (size_t j = 0; j < n; j++) {
-            if (f64) ((double *)blk)[j] = urand();
-            else if (!i8) ((float *)blk)[j] = (float)urand();
-        }
-        if (i8) /* values in [-127, 127], then each plane's scales in [0.5, 1.5] / 127 */
+        if (i8) { /* values in [-127, 127], then each plane's scales in [0.5, 1.5] / 127 */
             for (int pl = 0; pl < 2; pl++) {
                 char *p = blk + (size_t)pl * g.plane_bytes;
                 for (size_t j = 0; j < g.scale_offset; j++) p[j] = (char)((int)(rng() % 255) - 127);
@@ -216,6 +211,12 @@ int main(int argc, char **argv) {
                 for (size_t j = 0; j < (g.plane_bytes - g.scale_offset) / 4; j++)
                     sc[j] = (float)((1.0 + 0.5 * urand()) / 127.0);
             }
+            continue;
+        }
+        for (size_t j = 0; j < 2 * g.plane_bytes / item; j++) {
+            if (f64) ((double *)blk)[j] = urand();
+            else ((float *)blk)[j] = (float)urand();
+        }
     }
     char *q = xalloc((size_t)B * hq * d * item), *out = xalloc((size_t)B * hq * d * item);
     for (size_t j = 0; j < (size_t)B * hq * d; j++) {
