@@ -241,16 +241,31 @@ static inline void PKV_FN(softcap)(PKV_T *restrict s, int n, PKV_T c) {
     for (; j < n; j++) s[j] = c * ((PKV_T)1 - (PKV_T)2 / (PKV_FN(sexp)(s[j] * inv2) + (PKV_T)1));
 }
 
-/* max of s[0, n), n >= 1 */
+/* max of s[0, n), n >= 1; NaN where any of them is NaN, wherever it lies
+ * (the vector max instructions of x86 and NEON drop a NaN in some operand
+ * positions: a NaN score must make its row NaN on every path, whatever its
+ * column).  x - x is 0 for a finite x and NaN for a NaN or an infinity, so
+ * the lanes' sum of it says when to look for a NaN one value at a time. */
 static inline PKV_T PKV_FN(row_max)(const PKV_T *restrict s, int n) {
     int j = 0;
     PKV_T mx = s[0];
     if (n >= PKV_W) {
-        PKV_VEC vm = PKV_VLOAD(s);
-        for (j = PKV_W; j + PKV_W <= n; j += PKV_W) vm = PKV_VMAX(vm, PKV_VLOAD(s + j));
+        PKV_VEC x = PKV_VLOAD(s), vm = x, vz = PKV_VSUB(x, x);
+        for (j = PKV_W; j + PKV_W <= n; j += PKV_W) {
+            x = PKV_VLOAD(s + j);
+            vm = PKV_VMAX(vm, x);
+            vz = PKV_VADD(vz, PKV_VSUB(x, x));
+        }
         mx = PKV_VHMAX(vm);
+        const PKV_T z = PKV_VREDUCE(vz);
+        if (z != z)
+            for (int i = 0; i < j; i++)
+                if (s[i] != s[i]) return s[i];
     }
-    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    for (; j < n; j++) {
+        if (s[j] != s[j]) return s[j];
+        mx = s[j] > mx ? s[j] : mx;
+    }
     return mx;
 }
 

@@ -678,7 +678,7 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
  * a row's causal or window edge).  The same arithmetic as tile_softmax below without
  * its per-row bounds; the running maxima (float32 values in m where the compute
  * type is float32) compared in the compute type.  Returns 0, having changed
- * nothing, when a row's largest score is NaN (tile_softmax's case). */
+ * nothing, when a row's largest score is NaN or +inf (tile_softmax's case). */
 static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *rows, int na, int n,
                                         PKV_T c, double *m, double *l, PKV_T *restrict alpha) {
     PKV_T mnew[PKV_MAX_ROWS], ea[PKV_MAX_ROWS];
@@ -686,7 +686,7 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
     for (int a = 0; a < na; a++) {
         const PKV_T mx = PKV_FN(row_max)(s + (size_t)a * ldc, n) * c;
         const PKV_T mo = (PKV_T)m[rows[a]];
-        nan |= mx != mx;
+        nan |= !(mx < (PKV_T)INFINITY); /* NaN or +inf: tile_softmax's case */
         mnew[a] = mo > mx ? mo : mx;
         ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
     }
@@ -711,11 +711,12 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
  * rows); softcap > 0 caps the visible scaled scores first.  A positive scale
  * goes into the exp's argument (the max of the scaled scores is the scale
  * times the max: rounding is monotone); otherwise the scores are scaled in
- * place first.  A row whose largest score is NaN (a NaN or infinite query
- * value makes every score of its head NaN) gets NaN weights and sums, so its
- * output is NaN on every path (the exp's clamp alone would turn NaN scores
- * into equal tiny weights).  A tile that every row sees whole goes to
- * softmax_full. */
+ * place first.  A row that sees a NaN score (a NaN in a key, in any column;
+ * a NaN or infinite query value makes every score of its head NaN) or a
+ * +inf one gets NaN weights and sums, so its output is NaN on every path, as
+ * the softmax in exact arithmetic gives (the exp's clamp alone would turn a
+ * NaN score into a tiny weight and drop it).  A tile that every row sees
+ * whole goes to softmax_full. */
 static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *rows, int na,
                                          const int64_t *lim, int64_t r, int n, int64_t window,
                                          PKV_T scale, PKV_T softcap, double *m, double *l,
@@ -745,12 +746,16 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         const int64_t s64 = pkv_window_lo(lim[i], window) - r;
         st[a] = s64 > 0 ? (int)s64 : 0;
         PKV_T *sv = sa + st[a];
+        PKV_T mx = 0;
         if (prescale) {
             PKV_FN(scale_row)(sv, cnt[a] - st[a], scale);
-            if (softcap > 0) PKV_FN(softcap)(sv, cnt[a] - st[a], softcap);
+            if (softcap > 0) { /* the cap would turn a NaN score into -softcap */
+                mx = PKV_FN(row_max)(sv, cnt[a] - st[a]);
+                PKV_FN(softcap)(sv, cnt[a] - st[a], softcap);
+            }
         }
-        const PKV_T mx = PKV_FN(row_max)(sv, cnt[a] - st[a]) * c;
-        if (mx != mx) { /* NaN scores (a NaN or infinite query value): a NaN row on every path */
+        if (mx == mx) mx = PKV_FN(row_max)(sv, cnt[a] - st[a]) * c;
+        if (!(mx < (PKV_T)INFINITY)) { /* a NaN or +inf score: a NaN row on every path */
             for (int j = 0; j < n; j++) sa[j] = (PKV_T)NAN;
             alpha[a] = m[i] == -INFINITY ? 0 : 1; /* acc becomes NaN either way */
             if (m[i] == -INFINITY) m[i] = 0;       /* finite, so later tiles' alpha keeps acc */

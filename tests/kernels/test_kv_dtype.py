@@ -22,7 +22,7 @@ import pytest
 
 import pagedkv
 from reference import (KV_DTYPES, KV_TOL, KV_TOL_OUTLIER, assert_attention_close, build_random_cache, math_scale,
-                       query_as_scored, random_tokens, ref_attention, ref_stored, snapshot,
+                       query_as_scored, random_tokens, ref_attention, ref_attention_options, ref_stored, snapshot,
                        assert_unchanged)
 from test_simd_paths import SUPPORTED, run_script
 from reference import rope_rotate
@@ -390,6 +390,62 @@ def test_nan_or_inf_in_a_query_head_stays_in_its_head(kv_dtype):
             np.testing.assert_array_equal(np.delete(out[0], 3, axis=0), np.delete(want[0], 3, axis=0))
             if c.quantizes_queries or np.isnan(bad):  # an inf scores +-inf on float keys
                 assert np.isnan(out[0, 3]).all()
+
+
+def _check_bad_key(rng, kv_dtype, dtype, bs, bad, t):
+    """A NaN or an infinity in dimension 3 of key t of kv head 0 (length 100, D 64, GQA 4):
+    decode of the newest token and a causal prefill of the last 8 (t among them or not) against
+    the reference on the stored K/V.  NaN where the reference has NaN and nowhere else: a NaN
+    score (a NaN key value; an infinite one in int8, whose group it poisons) or a +inf one makes
+    every row that sees it NaN, whatever the key's column in its tile; rows that do not see it
+    (the other kv head's, prefill rows before it) keep their values.  The same with a softcap
+    and a window (through which a NaN stays NaN and an infinity becomes the cap)."""
+    length, hkv, d = 100, 2, 64
+    c = _cache(kv_dtype, dtype, num_blocks=length // bs + 2, block_size=bs, hkv=hkv, d=d)
+    sid = c.add_sequence()
+    k = random_tokens(rng, length, hkv, d, dtype)
+    k[t, 0, 3] = bad
+    c.append(sid, k, random_tokens(rng, length, hkv, d, dtype))
+    kg, vg = c.gather(sid)
+    q = random_tokens(rng, 8, 4 * hkv, d, dtype)
+    q[:, :4, 3] *= np.sign(q[:, :4, 3]) * rng.choice([-1.0, 1.0], (8, 1))  # +inf and -inf scores
+    for out, n in ((c.attend_batch([sid], q[-1:]), 1), (c.attend(sid, q), 8)):
+        qs, scale = query_as_scored(c, q[-n:], math_scale(d))
+        with np.errstate(invalid="ignore"):
+            want = ref_attention(qs, kg, vg, scale, length - n)
+        assert_attention_close(out, want, dtype, np.nan_to_num(vg), cache=c,
+                               err_msg=f"{kv_dtype} in {dtype}, bs {bs}, key {t} = {bad}, n {n}")
+        if np.isnan(bad):  # the case holds what it is about: NaN rows, and rows it leaves alone
+            assert np.isnan(want[-1, :4]).all() and not np.isnan(out[:, 4:]).any()
+    # the softcap (a NaN stays NaN through it, an infinity becomes the cap) with a window
+    qs, scale = query_as_scored(c, q, math_scale(d))
+    with np.errstate(invalid="ignore"):
+        want = ref_attention_options(qs, kg, vg, scale, length - 8, window=30, softcap=5.0)
+    assert_attention_close(c.attend(sid, q, window=30, softcap=5.0), want, dtype, np.nan_to_num(vg),
+                           cache=c, err_msg=f"{kv_dtype} in {dtype}, bs {bs}, key {t} = {bad}, softcap")
+
+
+def _check_bad_keys(rng):
+    for kv_dtype, dtype in PAIRS:
+        for bs in (15, 16, 64):
+            for bad in (np.nan, np.inf):
+                for t in (0, 17, 47, 63, 64, 95, 99):
+                    _check_bad_key(rng, kv_dtype, dtype, bs, bad, t)
+
+
+@pytest.mark.parametrize("backend", SUPPORTED)
+def test_a_nan_key_makes_every_row_that_sees_it_nan(backend):
+    run_script(textwrap.dedent(
+        """
+        import os
+        import numpy as np
+        import pagedkv
+        from test_kv_dtype import _check_bad_keys
+
+        assert pagedkv.simd_backend() == os.environ["PAGEDKV_SIMD"]
+        _check_bad_keys(np.random.default_rng(20261129))
+        print("BAD-KEYS-OK")
+        """), "BAD-KEYS-OK", PAGEDKV_SIMD=backend)
 
 
 @pytest.mark.parametrize("bs,d,length", [(16, 128, 300), (5, 70, 97), (64, 33, 130), (300, 64, 700)])
