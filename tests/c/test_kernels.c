@@ -342,9 +342,9 @@ static void check_attention(const config *c, tally *t, int pair, int big) {
                   simd_names[simd], dtype_names[c->st], dtype_names[dt], nt, c->bs, d, c->hkv, c->hq, c->nseq,
                   c->rope_half, (long long)plan[2], (long long)o.window, o.softcap, o.sinks != NULL);
             if (w > t->worst[simd][pair]) t->worst[simd][pair] = w;
-            if (nt == 1 && !(o.softcap > 0)) { /* softcapping maps a NaN score to -softcap */
+            if (nt == 1) {
                 /* a NaN in query head 0 of sequence 0: that head's output is NaN on every
-                 * path, every other output the same bits as without it */
+                 * path, softcap or not, every other output the same bits as without it */
                 const size_t nout = (size_t)c->nseq * row * c->item;
                 char *good = xalloc(nout);
                 memcpy(good, out, nout);
