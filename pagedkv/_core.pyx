@@ -23,6 +23,7 @@ Policy (which sequences to evict, StreamingLLM sizes, statistics objects)
 lives in the Python layer.
 """
 import importlib
+import operator
 import os
 
 import numpy as np
@@ -124,12 +125,24 @@ def has_openmp():
     return bool(pkv_have_openmp())
 
 
+#: the most threads set_num_threads takes.  The largest machines have some hundreds of logical
+#: CPUs; a count the system refuses to create (tens of thousands on a 2-CPU VM) makes the
+#: OpenMP runtime end the process at the next parallel call, so such a count is refused here.
+_MAX_THREADS = 4096
+
+
 def set_num_threads(n):
-    """Threads used by the attention kernels and linear() (n >= 1; 0 restores the default)."""
+    """Threads used by the attention kernels and linear(): an int from 1 to 4096;
+    0 restores the default (OpenMP's: OMP_NUM_THREADS or the logical CPUs)."""
     global _nthreads
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"number of threads must be >= 0, got {n}")
+    if isinstance(n, bool):
+        raise TypeError("number of threads must be an int, got a bool")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"number of threads must be an int, got {type(n).__name__}") from None
+    if not 0 <= n <= _MAX_THREADS:
+        raise ValueError(f"number of threads must be from 0 (the default) to {_MAX_THREADS}, got {n}")
     _nthreads = n
 
 

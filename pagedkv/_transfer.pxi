@@ -31,7 +31,7 @@ cdef object _import_seq(CacheCore core, object meta, object data):
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
     # kept positions (slot + offset of its segment) must increase: the sinks before the window
-    if not (0 <= a0 <= a1 <= b0 <= b1 and 0 <= nblk and _cdiv(b1, bs) == nblk
+    if not (0 <= a0 <= a1 <= b0 <= b1 < 2**62 and 0 <= nblk < 2**62 and _cdiv(b1, bs) == nblk
             and 0 <= off0 < 2**62 and 0 <= off1 < 2**62
             and (a0 == a1 or a1 + off0 <= b0 + off1)):
         raise ValueError(

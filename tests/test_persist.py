@@ -249,6 +249,16 @@ def _set(part, key, value):
     return edit
 
 
+def _huge(key):
+    """sequence[key] = 2**63, its length kept consistent with its segments"""
+    def edit(header):
+        s = header["sequence"]
+        s[key] = 2**63
+        s["length"] = s["a1"] - s["a0"] + s["b1"] - s["b0"]
+        return header
+    return edit
+
+
 @pytest.mark.parametrize("edit", [
     lambda h: [h],                                     # the header not an object
     _set(None, "config", [1, 2]),                      # AttributeError before
@@ -287,6 +297,14 @@ def test_load_rejects_kept_positions_that_do_not_increase(saved, seq):
         return header
     with pytest.raises(ValueError, match="inconsistent sequence metadata"):
         loaded_into_fresh(forged(saved, edit))
+
+
+@pytest.mark.parametrize("key", ["b1", "nblk"])
+def test_load_rejects_segment_bounds_beyond_int64(saved, key):
+    """Found by a review: b1 = 2**63 with a length to match raised OverflowError from the core,
+    which is not the ValueError the other inconsistent headers raise."""
+    with pytest.raises(ValueError, match="inconsistent sequence metadata"):
+        loaded_into_fresh(forged(saved, _huge(key)))
 
 
 # ----------------------------------------------------------------------

@@ -188,3 +188,20 @@ def test_decode_plan_splits_keys_before_heads(length, plan):
 def test_set_num_threads_rejects_negative():
     with pytest.raises(ValueError):
         pagedkv.set_num_threads(-1)
+
+
+@pytest.mark.parametrize("n,exc", [(4097, ValueError), (100_000, ValueError), (2**40, ValueError),
+                                   (2.0, TypeError), ("2", TypeError), (True, TypeError),
+                                   (None, TypeError)])
+def test_set_num_threads_rejects_what_it_cannot_run_and_keeps_the_count(n, exc):
+    """Found by a review: 100,000 was taken, and the next parallel call ended the process (the
+    system refused the threads; libgomp aborts then).  A refused call keeps the count."""
+    try:
+        pagedkv.set_num_threads(3)
+        with pytest.raises(exc, match="number of threads"):
+            pagedkv.set_num_threads(n)
+        assert pagedkv.get_num_threads() == 3
+        pagedkv.set_num_threads(np.int64(4096))  # the largest taken, as any integer type
+        assert pagedkv.get_num_threads() == 4096
+    finally:
+        pagedkv.set_num_threads(0)
