@@ -4,6 +4,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import numpy.typing as npt
 
+class SequenceMetaError(ValueError): ...
+
 class OutOfBlocksError(MemoryError):
     needed: int
     available: int

@@ -51,6 +51,11 @@ cdef extern from "Python.h":
 # errors
 
 
+class SequenceMetaError(ValueError):
+    """import_seq's metadata or blocks do not describe a sequence (malformed or inconsistent
+    segments, offsets or sizes); pagedkv.persist reports it as CacheFileError."""
+
+
 class OutOfBlocksError(MemoryError):
     """The block pool cannot satisfy a request.
 

@@ -29,12 +29,12 @@ cdef object _import_seq(CacheCore core, object meta, object data):
             "nblk", "a0", "a1", "b0", "b1", "off0", "off1"))
         priority = float(meta.get("priority", 0.0))
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"sequence metadata is incomplete or malformed: {e}") from None
+        raise SequenceMetaError(f"sequence metadata is incomplete or malformed: {e}") from None
     # kept positions (slot + offset of its segment) must increase: the sinks before the window
     if not (0 <= a0 <= a1 <= b0 <= b1 < 2**62 and 0 <= nblk < 2**62 and _cdiv(b1, bs) == nblk
             and 0 <= off0 < 2**62 and 0 <= off1 < 2**62
             and (a0 == a1 or a1 + off0 <= b0 + off1)):
-        raise ValueError(
+        raise SequenceMetaError(
             f"inconsistent sequence metadata: segments [{a0}, {a1}) [{b0}, {b1}) at "
             f"offsets {off0}, {off1}, {nblk} blocks of {bs} tokens")
     if nblk > core.max_blocks_per_seq:
@@ -42,7 +42,7 @@ cdef object _import_seq(CacheCore core, object meta, object data):
             f"the sequence holds {nblk} blocks; max_blocks_per_seq is {core.max_blocks_per_seq}")
     cdef cnp.ndarray arr = np.ascontiguousarray(data, dtype=np.uint8)
     if arr.size != nblk * bb:
-        raise ValueError(f"expected {nblk * bb} bytes of blocks, got {arr.size}")
+        raise SequenceMetaError(f"expected {nblk * bb} bytes of blocks, got {arr.size}")
     if core.seqs.n_slots_free == 0:
         raise RuntimeError(f"all {core.max_seqs} sequence slots are in use (max_seqs)")
     core.seqs.check_free(nblk, 0)

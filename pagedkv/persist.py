@@ -85,6 +85,7 @@ try:
 except ImportError:  # Windows: unique temporary names (see the module docstring)
     fcntl = None
 
+from pagedkv._core import SequenceMetaError
 from pagedkv.eviction import check_priority
 
 MAGIC = b"PAGEDKV\x1a"
@@ -344,5 +345,8 @@ def load(cache, path, priority=None) -> int:
         raise CacheFileError(f"{os.fspath(path)}: malformed token_ids")
     registrable, salt = _salt_from(header.get("cache_salt"), path)
     # a salt the file could not keep: its blocks are not registered (see the module docstring)
-    return cache._restore(meta, payload, {"token_ids": tokens if registrable else None,
-                                          "cache_salt": salt})
+    try:
+        return cache._restore(meta, payload, {"token_ids": tokens if registrable else None,
+                                              "cache_salt": salt})
+    except SequenceMetaError as e:  # segments, offsets or sizes that describe no sequence
+        raise CacheFileError(f"{os.fspath(path)}: {e}") from None

@@ -295,16 +295,29 @@ def test_load_rejects_kept_positions_that_do_not_increase(saved, seq):
         s = header["sequence"]
         s.update(seq, nblk=-(-seq["b1"] // 4), length=seq["a1"] - seq["a0"] + seq["b1"] - seq["b0"])
         return header
-    with pytest.raises(ValueError, match="inconsistent sequence metadata"):
+    with pytest.raises(pagedkv.CacheFileError, match="inconsistent sequence metadata"):
         loaded_into_fresh(forged(saved, edit))
 
 
 @pytest.mark.parametrize("key", ["b1", "nblk"])
 def test_load_rejects_segment_bounds_beyond_int64(saved, key):
     """Found by a review: b1 = 2**63 with a length to match raised OverflowError from the core,
-    which is not the ValueError the other inconsistent headers raise."""
-    with pytest.raises(ValueError, match="inconsistent sequence metadata"):
+    not the CacheFileError of a corrupt file."""
+    with pytest.raises(pagedkv.CacheFileError, match="inconsistent sequence metadata"):
         loaded_into_fresh(forged(saved, _huge(key)))
+
+
+def test_load_of_a_header_with_more_blocks_than_its_payload_raises_cache_file_error(saved):
+    """Segments and block count consistent with each other, one block more than the payload
+    holds: the core's size check, reported as a corrupt file (it was a plain ValueError)."""
+    def edit(header):
+        s = header["sequence"]
+        s["b1"] += 4  # block_size 4: one more block
+        s["nblk"] += 1
+        s["length"] += 4
+        return header
+    with pytest.raises(pagedkv.CacheFileError, match="bytes of blocks"):
+        loaded_into_fresh(forged(saved, edit))
 
 
 # ----------------------------------------------------------------------
