@@ -23,7 +23,6 @@ Policy (which sequences to evict, StreamingLLM sizes, statistics objects)
 lives in the Python layer.
 """
 import importlib
-import operator
 import os
 
 import numpy as np
@@ -140,13 +139,8 @@ def set_num_threads(n):
     """Threads used by the attention kernels and linear(): an int from 1 to 4096;
     0 restores the default (OpenMP's: OMP_NUM_THREADS or the logical CPUs)."""
     global _nthreads
-    if isinstance(n, bool):
-        raise TypeError("number of threads must be an int, got a bool")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"number of threads must be an int, got {type(n).__name__}") from None
-    if not 0 <= n <= _MAX_THREADS:
+    n = _positive_int("number of threads", n, 0)  # (_checks.pxi)
+    if n > _MAX_THREADS:
         raise ValueError(f"number of threads must be from 0 (the default) to {_MAX_THREADS}, got {n}")
     _nthreads = n
 

@@ -746,7 +746,7 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         const int64_t s64 = pkv_window_lo(lim[i], window) - r;
         st[a] = s64 > 0 ? (int)s64 : 0;
         PKV_T *sv = sa + st[a];
-        PKV_T mx = 0;
+        PKV_T mx = 0; /* NaN when a score is NaN before the cap (then kept) */
         if (prescale) {
             PKV_FN(scale_row)(sv, cnt[a] - st[a], scale);
             if (softcap > 0) { /* the cap would turn a NaN score into -softcap */
