@@ -358,7 +358,8 @@ cdef class CacheCore:
         int8 values with vpdpwssd, wherever a tile takes query rows four at a
         time (several query heads per KV head, or prefill): int8 storage,
         float32 compute, an AVX-512 + VNNI path ("avx512vnni", "avx512bf16",
-        "avx512amx") on an AMD Zen 4 class CPU (include/pagedkv/attn_pvdot.h)."""
+        "avx512amx") on an Intel or AMD Zen 4 class CPU
+        (include/pagedkv/attn_pvdot.h)."""
         return bool(pkv_quantizes_weights(self.storage, self.compute, _simd))
 
     @property

@@ -263,7 +263,7 @@ class PagedKVCache(EvictionMethods):
             "per tile, row and group of 32 values to multiply-add int8 values with vpdpwssd, "
             "in tiles that take query rows four at a time (several query heads per KV head, or "
             "prefill): int8 storage, float32 compute, the 'avx512vnni', 'avx512bf16' or "
-            "'avx512amx' SIMD path on an AMD Zen 4 class CPU.")
+            "'avx512amx' SIMD path on an Intel or AMD Zen 4 class CPU.")
     bytes_per_block = property(lambda self: self._core.bytes_per_block,
                                doc="Bytes of one block: K and V of every layer.")
     last_attention_plan = property(

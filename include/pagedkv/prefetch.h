@@ -179,19 +179,21 @@ static inline int pkv_big_decode_avx2(void) {
 }
 
 /* Whether P.V of int8 values in float32 takes vpdpwssd on the weights rounded
- * to int16 (attn_pvdot.h), where the AVX-512 + VNNI int8 kernels run: on AMD
- * family 0x19 (Zen 4), whose 512-bit FMA runs at half the rate of Intel's
- * (two 256-bit halves) while vpdpwssd does twice an FMA's multiply-adds.
- * Measured on the Zen 4 class (family 0x19 model 0x11; docs/performance.md).
- * On an Intel Xeon (AMX class) an earlier int16 design measured 5-8% faster
- * with K/V in L2 but no faster out of memory and slower for small calls
- * (docs/performance-history.md), so Intel keeps the float path.
- * -DPKV_PV_INT16=0/1 forces it (tests, measurements). */
+ * to int16 (attn_pvdot.h), where the AVX-512 + VNNI int8 kernels run: on
+ * Intel and on AMD family 0x19 (Zen 4).  vpdpwssd does 32 multiply-adds
+ * where a 512-bit FMA does 16.  Measured faster on the Zen 4 class (family
+ * 0x19 model 0x11: its 512-bit FMA is two 256-bit halves) and on an Intel
+ * Xeon of the Emerald Rapids class (2026-11-29: int8 decode 15-20% faster,
+ * docs/performance.md); Intel cores before Sapphire Rapids were not
+ * measured.  AMD family 0x1A (Zen 5, full-width FMAs) keeps the float path:
+ * not measured there.  -DPKV_PV_INT16=0/1 forces it (tests, measurements). */
 static inline int pkv_pv_int16(void) {
 #ifdef PKV_PV_INT16
     return PKV_PV_INT16;
 #else
-    return pkv_cpu_amd_19h();
+    int family;
+    const int vendor = pkv_pf_cpu(&family);
+    return vendor == PKV_CPU_INTEL || (vendor == PKV_CPU_AMD && family == 0x19);
 #endif
 }
 

@@ -311,14 +311,17 @@ def _check_query_rounding(rng, kv_dtype, dtype, bs, rope, prop, want):
                 assert_attention_close(out, plain[-n:], dtype, vg)
 
 
-def _amd_family_0x19():
-    """Whether this is an AMD CPU of family 0x19 (Zen 3 / Zen 4), from /proc/cpuinfo."""
+def _rounds_weights_cpu():
+    """Whether this CPU takes int8 values' P.V on int16 weights where the AVX-512 + VNNI int8
+    kernels run (pkv_pv_int16, prefetch.h): an Intel CPU, or an AMD one of family 0x19
+    (Zen 3 / Zen 4), from /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
     except OSError:
         return False
-    return "AuthenticAMD" in info and re.search(r"^cpu family\s*:\s*25$", info, re.M) is not None
+    return "GenuineIntel" in info or (
+        "AuthenticAMD" in info and re.search(r"^cpu family\s*:\s*25$", info, re.M) is not None)
 
 
 WEIGHTS_CASES = [  # kv_dtype, dtype, block_size, ratio: int8 values' P.V on int16 weights or not
@@ -330,12 +333,12 @@ WEIGHTS_CASES = [  # kv_dtype, dtype, block_size, ratio: int8 values' P.V on int
 @pytest.mark.parametrize("kv_dtype,dtype,bs,ratio", WEIGHTS_CASES)
 def test_quantizes_weights_says_what_the_kernels_do(rng, kv_dtype, dtype, bs, ratio):
     """cache.quantizes_weights is True exactly for int8 storage in float32 on the AVX-512 + VNNI
-    paths of an AMD family 0x19 CPU; then decode and prefill stay within the bound of the
+    paths of an Intel or AMD family 0x19 CPU; then decode and prefill stay within the bound of the
     weights' rounding (reference.weights_tol: (keys of a tile) / 65534 of max |v|) of the
     reference with the query as scored, and, the roundings being independent, within 1e-4 of
     max |v| here (they move a row by some 5e-6 of it, beyond the float path's 5e-8, so the check
     can tell); otherwise within float32's tolerance."""
-    want = (kv_dtype == "int8" and dtype == "float32" and _amd_family_0x19()
+    want = (kv_dtype == "int8" and dtype == "float32" and _rounds_weights_cpu()
             and pagedkv.simd_backend() in ("avx512vnni", "avx512bf16", "avx512amx"))
     d, length = 128, 700
     c = _cache(kv_dtype, dtype, num_blocks=length // bs + 2, block_size=bs, hkv=2, d=d)
