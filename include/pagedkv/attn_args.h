@@ -159,6 +159,9 @@ static inline int pkv_decode_on_avx2(double kv_bytes) {
  * rows into L1 where pkv_pf_l1k says so (prefetch.h); smaller calls, most
  * often in cache, run as before (Intel Xeon, K/V in L2: B=1 L=16 and L=128
  * 2-3% slower with the prefetches, L=256 over 64 layers 15% faster). */
+#ifndef PKV_WIDEN_ROWS /* items of this many query rows or more widen 16-bit keys once a tile (widen_tile) */
+#define PKV_WIDEN_ROWS 8
+#endif
 #ifndef PKV_L1K_MIN_BYTES
 #define PKV_L1K_MIN_BYTES (2 << 20)
 #endif

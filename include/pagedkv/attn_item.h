@@ -251,6 +251,18 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                         const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh, d);
                         PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #else
+#if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
+                        if (na >= PKV_WIDEN_ROWS) { /* widen_tile (attn_tile.h) */
+                            const int ks = (nk + PKV_W - 1) / PKV_W * PKV_W;
+                            PKV_KFN(widen_tile)(kbuf, ks, runs, cnt, (size_t)bs, d);
+                            PKV_CFN(run_t) kr;
+                            kr.k = kr.v = kbuf;
+                            kr.ksc = kr.vsc = NULL;
+                            kr.off = kr.col = 0;
+                            kr.n = nk;
+                            PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
+                        } else
+#endif
                         PKV_KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #endif
                     } else {

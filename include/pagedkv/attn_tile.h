@@ -649,6 +649,28 @@ static inline void PKV_KFN(rope_tile)(PKV_T *restrict kbuf, int ks, const PKV_KF
     }
 }
 
+#if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
+/* The tile's keys of one head widened to the compute type, into kbuf [d][ks]
+ * (rope_tile without the rotation; bfloat16 and float16 storage).  Items
+ * with many query rows (prefill) then score them with the compute type's
+ * kernels: each stored key is converted once per item and tile instead of
+ * once per group of rows. */
+static inline void PKV_KFN(widen_tile)(PKV_T *restrict kbuf, int ks, const PKV_KFN(run_t) *runs, int nr,
+                                       size_t bs, int d) {
+    for (int u = 0; u < nr; u++) {
+        const PKV_KFN(run_t) *ru = runs + u;
+        const int n = ru->n;
+        for (int i = 0; i < d; i++) {
+            const PKV_S *x = ru->k + (size_t)i * bs + ru->off;
+            PKV_T *y = kbuf + (size_t)i * ks + ru->col;
+            int j = 0;
+            for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(y + j, PKV_SLOAD(x + j));
+            for (; j < n; j++) y[j] = PKV_SGET(x + j);
+        }
+    }
+}
+#endif
+
 /* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
  * long, stride >= PKV_W) into sh [na][ldc].  Key vectors are gathered across
  * runs so a register tile takes PKV_SC_NV of them even when a block holds
