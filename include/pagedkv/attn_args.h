@@ -159,8 +159,15 @@ static inline int pkv_decode_on_avx2(double kv_bytes) {
  * rows into L1 where pkv_pf_l1k says so (prefetch.h); smaller calls, most
  * often in cache, run as before (Intel Xeon, K/V in L2: B=1 L=16 and L=128
  * 2-3% slower with the prefetches, L=256 over 64 layers 15% faster). */
-#ifndef PKV_WIDEN_ROWS /* items of this many query rows or more widen 16-bit keys once a tile (widen_tile) */
-#define PKV_WIDEN_ROWS 8
+/* Items with this many query rows per head or more (prefill) widen a tile's
+ * bfloat16 or float16 keys and values once into the compute type (widen_tile,
+ * widen_values in attn_tile.h).  Measured on an Intel Xeon (Emerald Rapids
+ * class, one thread): prefill items of 64 rows 9-14% faster; decode items of
+ * 8 rows (8 query heads per KV head) 1.6x slower with it, of 32 rows 0-20%
+ * slower (the widened tile's stores and loads cost more than converting it
+ * once per group of four rows saves). */
+#ifndef PKV_WIDEN_ROWS
+#define PKV_WIDEN_ROWS 48
 #endif
 #ifndef PKV_L1K_MIN_BYTES
 #define PKV_L1K_MIN_BYTES (2 << 20)
@@ -256,13 +263,14 @@ static inline size_t pkv_qdot_bytes(int d) {
 /* Bytes of scratch one thread needs (attn_math.h lays it out): m, l, lim,
  * query rows, accumulators, alpha, a tile's scores (PKV_MAX_ROWS rows of
  * pkv_tile_cols), the quantized query rows (int8 keys on an integer dot
- * product), and kbuf: a tile's keys rotated by RoPE, [d][tile cols], which
- * P.V reuses as its work space (a padding row of d values, then int8 V's
- * folded weights: PKV_MAX_ROWS + 4 rows of tile cols; attn_tile.h). */
+ * product), and kbuf: a tile's keys rotated by RoPE or widened, [d][tile
+ * cols], which P.V reuses as its work space (a padding row of d values, then
+ * int8 V's folded weights, PKV_MAX_ROWS + 4 rows of tile cols, or the tile's
+ * values widened, [tile cols][d]; attn_tile.h). */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
     const size_t cols = (size_t)pkv_tile_cols(bs);
-    const size_t rope = (size_t)d * cols;
+    const size_t rope = (size_t)d * cols + (size_t)(d + 15) / 16 * 16; /* + widen_values' offset */
     const size_t values = (size_t)(d + 15) / 16 * 16 + (size_t)(PKV_MAX_ROWS + 4) * cols;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +
            PKV_ALIGN_UP((size_t)PKV_MAX_ROWS * cols * itemsize) + PKV_ALIGN_UP(pkv_qdot_bytes(d)) +

@@ -279,6 +279,19 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                               PKV_FN(inv_denominator)(a, h0 + hh, r, l[hh * nqh + r],
                                                                       m[hh * nqh + r]));
                 } else {
+#if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
+                    if (na >= PKV_WIDEN_ROWS) { /* widen_values (attn_tile.h) */
+                        PKV_T *vw = kbuf + (size_t)(d + 15) / 16 * 16; /* after tile_values' spare row */
+                        PKV_KFN(widen_values)(vw, runs, cnt, d);
+                        PKV_CFN(run_t) vr;
+                        vr.k = vr.v = vw;
+                        vr.ksc = vr.vsc = NULL;
+                        vr.off = vr.col = 0;
+                        vr.n = nk;
+                        PKV_CFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
+                                             alpha + hh * na, &vr, 1, (size_t)bs, d, kbuf, ps);
+                    } else
+#endif
                     PKV_KFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
                                      alpha + hh * na, runs, cnt, (size_t)bs, d, kbuf, ps);
                 }

@@ -652,9 +652,10 @@ static inline void PKV_KFN(rope_tile)(PKV_T *restrict kbuf, int ks, const PKV_KF
 #if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
 /* The tile's keys of one head widened to the compute type, into kbuf [d][ks]
  * (rope_tile without the rotation; bfloat16 and float16 storage).  Items
- * with many query rows (prefill) then score them with the compute type's
- * kernels: each stored key is converted once per item and tile instead of
- * once per group of rows. */
+ * with many query rows (prefill) then score them, and multiply-add the
+ * values widened by widen_values, with the compute type's kernels: each
+ * stored value is converted once per item and tile instead of once per
+ * group of rows. */
 static inline void PKV_KFN(widen_tile)(PKV_T *restrict kbuf, int ks, const PKV_KFN(run_t) *runs, int nr,
                                        size_t bs, int d) {
     for (int u = 0; u < nr; u++) {
@@ -667,6 +668,19 @@ static inline void PKV_KFN(widen_tile)(PKV_T *restrict kbuf, int ks, const PKV_K
             for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(y + j, PKV_SLOAD(x + j));
             for (; j < n; j++) y[j] = PKV_SGET(x + j);
         }
+    }
+}
+
+/* ... and their values, into vbuf [keys][d] (row col + k: the run's key k) */
+static inline void PKV_KFN(widen_values)(PKV_T *restrict vbuf, const PKV_KFN(run_t) *runs, int nr, int d) {
+    for (int u = 0; u < nr; u++) {
+        const PKV_KFN(run_t) *ru = runs + u;
+        const PKV_S *x = ru->v + (size_t)ru->off * d;
+        PKV_T *y = vbuf + (size_t)ru->col * d;
+        const size_t n = (size_t)ru->n * d; /* the run's rows are contiguous */
+        size_t j = 0;
+        for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(y + j, PKV_SLOAD(x + j));
+        for (; j < n; j++) y[j] = PKV_SGET(x + j);
     }
 }
 #endif
