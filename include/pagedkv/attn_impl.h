@@ -67,6 +67,7 @@
 #include "attn_tile.h"
 #include "attn_item.h"
 #include "attn_calls.h"
+#undef PKV_WIDENS
 
 #ifdef PKV_SCALED_DEFAULTED
 #undef PKV_STORE_SCALED

@@ -232,16 +232,16 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 }
 #endif
                 PKV_T *sh = sbuf + (size_t)hh * na * ldc;
+                /* 16-bit K/V of a prefill tile widened once (PKV_WIDEN_ROWS) */
+                const int widen = PKV_WIDENS && na >= PKV_WIDEN_ROWS;
                 if (ph == 0) {
                     const PKV_T *qh = q + (size_t)hh * nqh * d;
-                    if (a->rope) {
+                    if (a->rope || (widen && bs >= PKV_W && !PKV_BF16_DOT && !PKV_BF16_AMX)) {
+                        /* the tile's keys in the compute type, rotated or widened */
                         const int ks = (nk + PKV_W - 1) / PKV_W * PKV_W;
-                        PKV_KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
-                        PKV_CFN(run_t) kr;
-                        kr.k = kr.v = kbuf;
-                        kr.ksc = kr.vsc = NULL;
-                        kr.off = kr.col = 0;
-                        kr.n = nk;
+                        if (a->rope) PKV_KFN(rope_tile)(kbuf, ks, runs, cnt, (size_t)bs, tile_r0, a->rope, d);
+                        else PKV_KFN(widen_tile)(kbuf, ks, runs, cnt, (size_t)bs, d);
+                        const PKV_CFN(run_t) kr = PKV_KFN(staged_run)(kbuf, nk);
                         PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
                     } else if (bs >= PKV_W) {
 #if PKV_I8_DOT || PKV_BF16_DOT
@@ -251,18 +251,6 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                         const PKV_KFN(qrows_t) qdh = PKV_KFN(qrows_from)(&qd, hh * nqh, d);
                         PKV_KFN(score_runs)(&qdh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #else
-#if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
-                        if (na >= PKV_WIDEN_ROWS) { /* widen_tile (attn_tile.h) */
-                            const int ks = (nk + PKV_W - 1) / PKV_W * PKV_W;
-                            PKV_KFN(widen_tile)(kbuf, ks, runs, cnt, (size_t)bs, d);
-                            PKV_CFN(run_t) kr;
-                            kr.k = kr.v = kbuf;
-                            kr.ksc = kr.vsc = NULL;
-                            kr.off = kr.col = 0;
-                            kr.n = nk;
-                            PKV_CFN(score_runs)(qh, rows, na, &kr, 1, (size_t)ks, d, sh, ldc, ps);
-                        } else
-#endif
                         PKV_KFN(score_runs)(qh, rows, na, runs, cnt, (size_t)bs, d, sh, ldc, ps);
 #endif
                     } else {
@@ -278,20 +266,13 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                             PKV_FN(scale_row)(sh + (size_t)r * ldc, nk,
                                               PKV_FN(inv_denominator)(a, h0 + hh, r, l[hh * nqh + r],
                                                                       m[hh * nqh + r]));
+                } else if (widen) {
+                    PKV_T *vw = kbuf + (size_t)(d + 15) / 16 * 16; /* after tile_values' spare row */
+                    PKV_KFN(widen_values)(vw, runs, cnt, d);
+                    const PKV_CFN(run_t) vr = PKV_KFN(staged_run)(vw, nk);
+                    PKV_CFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
+                                         alpha + hh * na, &vr, 1, (size_t)bs, d, kbuf, ps);
                 } else {
-#if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
-                    if (na >= PKV_WIDEN_ROWS) { /* widen_values (attn_tile.h) */
-                        PKV_T *vw = kbuf + (size_t)(d + 15) / 16 * 16; /* after tile_values' spare row */
-                        PKV_KFN(widen_values)(vw, runs, cnt, d);
-                        PKV_CFN(run_t) vr;
-                        vr.k = vr.v = vw;
-                        vr.ksc = vr.vsc = NULL;
-                        vr.off = vr.col = 0;
-                        vr.n = nk;
-                        PKV_CFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
-                                             alpha + hh * na, &vr, 1, (size_t)bs, d, kbuf, ps);
-                    } else
-#endif
                     PKV_KFN(tile_values)((out ? out : acc) + (size_t)hh * nqh * d, rows, na, sh, ldc,
                                      alpha + hh * na, runs, cnt, (size_t)bs, d, kbuf, ps);
                 }

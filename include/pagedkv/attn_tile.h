@@ -649,13 +649,31 @@ static inline void PKV_KFN(rope_tile)(PKV_T *restrict kbuf, int ks, const PKV_KF
     }
 }
 
+/* One run over n keys staged in the compute type by rope_tile, widen_tile
+ * (K^T rows ks apart) or widen_values (V rows d apart), as the compute
+ * type's kernels take it. */
+static inline PKV_CFN(run_t) PKV_KFN(staged_run)(const PKV_T *buf, int n) {
+    PKV_CFN(run_t) r;
+    r.k = r.v = buf;
+    r.ksc = r.vsc = NULL;
+    r.off = r.col = 0;
+    r.n = n;
+    return r;
+}
+
+/* Whether widen_tile and widen_values serve this instance: bfloat16 and
+ * float16 storage (attn_item.h; undefined again by attn_impl.h) */
 #if !defined(PKV_STORE_NATIVE) && !PKV_STORE_SCALED
+#define PKV_WIDENS 1
+#else
+#define PKV_WIDENS 0
+#endif
+
 /* The tile's keys of one head widened to the compute type, into kbuf [d][ks]
- * (rope_tile without the rotation; bfloat16 and float16 storage).  Items
- * with many query rows (prefill) then score them, and multiply-add the
- * values widened by widen_values, with the compute type's kernels: each
- * stored value is converted once per item and tile instead of once per
- * group of rows. */
+ * (rope_tile without the rotation).  Items with many query rows (prefill)
+ * then score them, and multiply-add the values widened by widen_values,
+ * with the compute type's kernels: each stored value is converted once per
+ * item and tile instead of once per group of rows. */
 static inline void PKV_KFN(widen_tile)(PKV_T *restrict kbuf, int ks, const PKV_KFN(run_t) *runs, int nr,
                                        size_t bs, int d) {
     for (int u = 0; u < nr; u++) {
@@ -683,7 +701,6 @@ static inline void PKV_KFN(widen_values)(PKV_T *restrict vbuf, const PKV_KFN(run
         for (; j < n; j++) y[j] = PKV_SGET(x + j);
     }
 }
-#endif
 
 /* Scores of rows[0, na) against the tile's runs (K^T rows `stride` items
  * long, stride >= PKV_W) into sh [na][ldc].  Key vectors are gathered across
