@@ -17,9 +17,10 @@
  * avx512|neon forces one).  Build and run: see run.sh next to this file.
  *
  * i8 stores K/V as int8 with a float32 scale per 32 values (random bytes
- * and scales), decoded in float32 on the path's int8 kernels.
+ * and scales), decoded in float32 on the path's int8 kernels; bf16 and f16
+ * store K/V as bfloat16 / IEEE half, decoded in float32 likewise.
  *
- * usage: decode_ceiling [f32|f64|i8] B L threads rounds [Hq Hkv D bs]
+ * usage: decode_ceiling [f32|f64|i8|bf16|f16] B L threads rounds [Hq Hkv D bs]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +29,7 @@
 
 #include "pagedkv/alloc.h"
 #include "pagedkv/attention.h"
+#include "pagedkv/convert.h"
 #include "pagedkv/kvread.h"
 
 static double now(void) {
@@ -118,14 +120,19 @@ static double i8_scale(const pkv_geom *g, const char *p, int kh, int i, int64_t 
 /* Largest |out - reference| / max |reference| of decode: a plain double
  * loop over the same pool (the harness refuses to time a wrong kernel). */
 static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
-    const int i8 = g->store.scaled;
+    const int i8 = g->store.scaled, h16 = g->store.dtype == PKV_BF16 || g->store.dtype == PKV_F16;
+    const int bf = g->store.dtype == PKV_BF16;
     const int d = a->d, bs = a->bs, gsz = a->hq / a->hkv;
     const int64_t L = a->segs[0].b1;
     double *s = xalloc(sizeof(double) * L), *o = xalloc(sizeof(double) * d);
     double err = 0, big = 0;
 #define AT(p, i) (f64 ? ((const double *)(p))[i] : (double)((const float *)(p))[i])
 /* a stored value, and its scale (1 but for int8) */
-#define KV(p, i) (i8 ? (double)((const int8_t *)(p))[i] : AT(p, i))
+#define KV(p, i)                                                                              \
+    (i8    ? (double)((const int8_t *)(p))[i]                                                 \
+     : h16 ? (double)(bf ? pkv_bf16_to_f32(((const uint16_t *)(p))[i])                        \
+                         : pkv_f16_to_f32(((const uint16_t *)(p))[i]))                        \
+           : AT(p, i))
 #define SC(p, kh, i, t) (i8 ? i8_scale(g, p, kh, i, t) : 1.0)
     for (int64_t b = 0; b < a->nseq; b++)
         for (int h = 0; h < a->hq; h++) {
@@ -166,10 +173,11 @@ static double check(const pkv_attn_args *a, const pkv_geom *g, int f64) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s f32|f64|i8 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
+        fprintf(stderr, "usage: %s f32|f64|i8|bf16|f16 B L threads rounds [Hq Hkv D bs]\n", argv[0]);
         return 2;
     }
     const int f64 = !strcmp(argv[1], "f64"), i8 = !strcmp(argv[1], "i8");
+    const int bf16 = !strcmp(argv[1], "bf16"), f16 = !strcmp(argv[1], "f16");
     const int64_t B = atoll(argv[2]), L = atoll(argv[3]);
     const int nthreads = atoi(argv[4]), rounds = atoi(argv[5]);
     const int hq = argc > 6 ? atoi(argv[6]) : 32, hkv = argc > 7 ? atoi(argv[7]) : 8;
@@ -181,7 +189,8 @@ int main(int argc, char **argv) {
     const int simd = simd_from_env();
     const pkv_dtype dt = f64 ? PKV_F64 : PKV_F32; /* the compute type */
     const size_t item = f64 ? 8 : 4;
-    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, i8 ? PKV_I8 : dt);
+    const pkv_dtype st = i8 ? PKV_I8 : bf16 ? PKV_BF16 : f16 ? PKV_F16 : dt; /* storage */
+    const pkv_geom g = pkv_geom_make(1, hkv, bs, d, st);
     const int64_t nblk = (L + bs - 1) / bs, nb = B * nblk;
 
     /* pool, blocks shuffled */
@@ -211,6 +220,12 @@ int main(int argc, char **argv) {
                 for (size_t j = 0; j < (g.plane_bytes - g.scale_offset) / 4; j++)
                     sc[j] = (float)((1.0 + 0.5 * urand()) / 127.0);
             }
+            continue;
+        }
+        if (bf16 || f16) {
+            for (size_t j = 0; j < g.plane_bytes; j++) /* both planes: 2 * plane_bytes / 2 */
+                ((uint16_t *)blk)[j] = bf16 ? pkv_f32_to_bf16((float)urand())
+                                            : pkv_f32_to_f16((float)urand());
             continue;
         }
         for (size_t j = 0; j < 2 * g.plane_bytes / item; j++) {
@@ -252,7 +267,7 @@ int main(int argc, char **argv) {
     a.nthreads = nthreads;
     a.plan_out = plan;
     a.scale_offset = g.scale_offset;
-    const pkv_kernels *kern = pkv_kernels_for(i8 ? PKV_I8 : dt, dt, simd);
+    const pkv_kernels *kern = pkv_kernels_for(st, dt, simd);
     if (!kern) {
         fprintf(stderr, "no kernel for this dtype / SIMD path\n");
         return 1;
@@ -280,20 +295,31 @@ int main(int argc, char **argv) {
         fprintf(stderr, "decode differs from the reference: max error %.3g of max |out|\n", err);
         return 1;
     }
+    /* PKV_FLUSH_MIB=n: read n MiB of other memory before the pattern read and
+     * before decode, so that both start with none of the pool in the caches
+     * (a pool that fits the last-level cache is otherwise partly read from it) */
+    const char *fe = getenv("PKV_FLUSH_MIB");
+    const size_t flush = fe ? (size_t)atoll(fe) << 20 : 0;
+    char *flushbuf = flush ? xalloc_pool(flush) : NULL;
+    for (size_t j = 0; j < flush / 4; j++) ((float *)flushbuf)[j] = 2.0f;
     for (int r = 0; r < rounds; r++) {
         double t0 = now();
         sink += pkv_read_sum(seqbuf, kv / 4, PKV_F32, simd, nthreads);
-        double t1 = now(), c1 = cpu_now();
+        double t1 = now();
+        if (flush) sink += pkv_read_sum(flushbuf, flush / 4, PKV_F32, simd, nthreads);
+        double t1f = now(), c1 = cpu_now();
         xsink ^= pkv_read_pattern(a.k, a.v, g.plane_bytes, g.block_bytes, bs, B, a.tables, segs,
                                   simd, nthreads, NULL);
         double t2 = now(), c2 = cpu_now();
+        if (flush) sink += pkv_read_sum(flushbuf, flush / 4, PKV_F32, simd, nthreads);
+        double t2f = now(), c2f = cpu_now();
         kern->decode(&a);
         double t3 = now(), c3 = cpu_now();
+        cd[r] = c3 - c2f;
         cp[r] = c2 - c1;
-        cd[r] = c3 - c2;
         ts[r] = t1 - t0;
-        tp[r] = t2 - t1;
-        td[r] = t3 - t2;
+        tp[r] = t2 - t1f;
+        td[r] = t3 - t2f;
     }
     printf("%s B=%lld L=%lld Hq=%d Hkv=%d D=%d bs=%d threads=%d simd=%s plan=(%lld,%lld,%lld) "
            "K+V %.1f MiB, %d rounds, max error %.1e\n",

@@ -157,8 +157,9 @@ def test_decode_over_two_segments_matches_reference(dtype):
 def test_c_harness_builds_and_checks_decode(tmp_path):
     """benchmarks/c/decode_ceiling.c compiles with the portable flags and its
     decode agrees with its own double reference (it exits 1 otherwise), over
-    float32, float64 and int8 storage (blocks of 16 keys: the integer dot
-    paths' scores where the machine has them; of 8: the widened keys)."""
+    float32, float64, int8, bfloat16 and float16 storage (int8 in blocks of
+    16 keys: the integer dot paths' scores where the machine has them; of 8:
+    the widened keys)."""
     exe = tmp_path / "decode_ceiling"
     src = os.path.join(ROOT, "benchmarks", "c", "decode_ceiling.c")
     subprocess.run(["cc", "-O1", "-std=c11", "-D_POSIX_C_SOURCE=200112L", "-fopenmp",
@@ -167,7 +168,31 @@ def test_c_harness_builds_and_checks_decode(tmp_path):
     for args in (["f32", "3", "70", "2", "3", "8", "2", "36", "16"],
                  ["f64", "1", "300", "1", "3", "6", "3", "17", "5"],
                  ["i8", "2", "200", "2", "3", "8", "2", "64", "16"],
-                 ["i8", "1", "150", "1", "3", "4", "4", "72", "8"]):
+                 ["i8", "1", "150", "1", "3", "4", "4", "72", "8"],
+                 ["bf16", "2", "90", "2", "3", "8", "2", "40", "16"],
+                 ["f16", "1", "77", "1", "3", "3", "3", "33", "7"]):
         proc = subprocess.run([str(exe)] + args, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert "of pattern" in proc.stdout and "max error" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
+def test_overlap_probe_builds_and_reports_every_variant(tmp_path):
+    """benchmarks/c/overlap_probe.c compiles with the portable flags and, on a
+    CPU with AVX-512 F, reports the read and the four arithmetic loads with
+    their vector instructions per line; elsewhere it says it measured
+    nothing."""
+    exe = tmp_path / "overlap_probe"
+    src = os.path.join(ROOT, "benchmarks", "c", "overlap_probe.c")
+    subprocess.run(["cc", "-O1", "-std=c11", "-D_DEFAULT_SOURCE", "-I" + os.path.join(ROOT, "include"),
+                    src, "-o", str(exe)], check=True, capture_output=True, timeout=600)
+    for kind, ops in (("f32", [0, 1, 2, 4, 8]), ("bf16", [0, 4, 6, 10, 18])):
+        proc = subprocess.run([str(exe), kind, "2", "100", "3"], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        if "nothing measured" in proc.stdout:
+            continue
+        rows = [ln.split() for ln in proc.stdout.splitlines() if "of read" in ln]
+        assert [r[0] for r in rows] == ["read", "R=1", "R=2", "R=4", "R=8"]
+        assert [int(r[1]) for r in rows] == ops
+        assert rows[0][-3] == "100.0%"
