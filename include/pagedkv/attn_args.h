@@ -130,7 +130,7 @@ typedef struct {
     int64_t nchunk;
     size_t slot_bytes;
     int pfk; /* the items prefetch their K units too (prefetch.h) */
-    int l1k; /* or, not pfk, their K units' own rows into L1 (pkv_pf_l1k) */
+    int l1k; /* their K units' own rows into L1 as the score tile walks them (pkv_pf_l1k) */
 } pkv_decode_plan;
 
 /* A decode call that reads at least this many bytes of K+V prefetches its
@@ -154,11 +154,6 @@ typedef struct {
 static inline int pkv_decode_on_avx2(double kv_bytes) {
     return kv_bytes >= PKV_AVX2_DECODE_MIN_BYTES && pkv_big_decode_avx2();
 }
-/* A smaller decode call that reads at least this many bytes (more than
- * this core's L2 holds on the machines measured) prefetches its K units' own
- * rows into L1 where pkv_pf_l1k says so (prefetch.h); smaller calls, most
- * often in cache, run as before (Intel Xeon, K/V in L2: B=1 L=16 and L=128
- * 2-3% slower with the prefetches, L=256 over 64 layers 15% faster). */
 /* Items with this many query rows per head or more (prefill) widen a tile's
  * bfloat16 or float16 keys and values once into the compute type (widen_tile,
  * widen_values in attn_tile.h).  Measured on an Intel Xeon (Emerald Rapids
@@ -169,6 +164,12 @@ static inline int pkv_decode_on_avx2(double kv_bytes) {
 #ifndef PKV_WIDEN_ROWS
 #define PKV_WIDEN_ROWS 48
 #endif
+/* A decode call that reads at least this many bytes (more than this core's
+ * L2 holds on the machines measured) prefetches its K units' own rows into
+ * L1 where pkv_pf_l1k says so (prefetch.h), beside the K units' stream into
+ * L2 where it has one (PKV_PF_K_MIN_BYTES); smaller calls, most often in
+ * cache, run as before (Intel Xeon, K/V in L2: B=1 L=16 and L=128 2-3%
+ * slower with the prefetches, L=256 over 64 layers 15% faster). */
 #ifndef PKV_L1K_MIN_BYTES
 #define PKV_L1K_MIN_BYTES (2 << 20)
 #endif

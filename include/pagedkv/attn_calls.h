@@ -106,7 +106,7 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[2] = nchunk;
     }
     const int pfk = pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES;
-    const int l1k = !pfk && kv_bytes >= PKV_L1K_MIN_BYTES && pkv_pf_l1k();
+    const int l1k = kv_bytes >= PKV_L1K_MIN_BYTES && pkv_pf_l1k();
     const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pfk, l1k};
     int64_t it;
     if (nthreads > 1) {

@@ -18,8 +18,8 @@
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
  * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
  * prefetch their next unit too (decode out of memory, where the stream goes
- * into L2); l1k (decode calls below pfk's size, prefetch.h: pkv_pf_l1k): K
- * units prefetch their own K^T rows into L1 as the score tile walks them.
+ * into L2); l1k (prefetch.h: pkv_pf_l1k): K units prefetch their own K^T rows
+ * into L1 as the score tile walks them, beside the stream where there is one.
  *
  * reverse: take the tiles last to first (items without the prefetch stream;
  * see prefill_item).
@@ -108,7 +108,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
      * found by stepping on from there (no 64-bit division). */
     pkv_pfs pfs;
     pfs.l2 = pkv_pf_into_l2();
-    pfs.l1k = 0;
+    pfs.l1k = pfk && l1k && !a->rope; /* the stream's K units walk their own rows into L1 too */
 #define PKV_UNIT_SLICES(t, ph, hh, ahead, ps)                                              \
     do {                                                                                   \
         int64_t t_ = (t), k_ = (int64_t)(ph) * nh + (hh) + (ahead);                        \
@@ -134,7 +134,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         pkv_pfs_finish(&pfs);
     }
     if (stream) reverse = 0; /* the stream's units run forward */
-    /* l1k (decode, not pfk): K units prefetch their own rows into L1 */
+    /* l1k: K units without the stream prefetch their own rows into L1 */
     pkv_pfs pf_l1k;
     pf_l1k.n = pf_l1k.cur = 0;
     pf_l1k.len = 0;

@@ -294,7 +294,7 @@ static inline void PKV_KFN(PKV_TILE_SCORES_VEC)(const PKV_QVEC *restrict q, cons
 #endif
         for (int g = 0; g < ngr; g++) {
             const int a0 = b4 + 4 * g, nr = na - a0 < 4 ? na - a0 : 4;
-            if (ps && !ps->l1k) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps);
+            if (ps && ps->n > 0) PKV_KFN(sc_4xn)(qr + a0, e + v, stride, d, res, ps); /* a stream */
             else PKV_KFN(sc_4xn_np)(qr + a0, e + v, stride, d, res, ps);
             PKV_KFN(put_tile)(sbuf + (size_t)a0 * ldc, ldc, e + v, res, nr, full);
         }
