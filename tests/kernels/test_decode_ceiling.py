@@ -179,20 +179,27 @@ def test_c_harness_builds_and_checks_decode(tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
 def test_overlap_probe_builds_and_reports_every_variant(tmp_path):
     """benchmarks/c/overlap_probe.c compiles with the portable flags and, on a
-    CPU with AVX-512 F, reports the read and the four arithmetic loads with
-    their vector instructions per line; elsewhere it says it measured
-    nothing."""
+    CPU with AVX-512 F or AVX2 + FMA, reports the read and the four
+    arithmetic loads with their vector instructions per line, on 512-bit
+    vectors and (asked for, or without AVX-512) on 256-bit ones; elsewhere
+    it says it measured nothing."""
     exe = tmp_path / "overlap_probe"
     src = os.path.join(ROOT, "benchmarks", "c", "overlap_probe.c")
     subprocess.run(["cc", "-O1", "-std=c11", "-D_DEFAULT_SOURCE", "-I" + os.path.join(ROOT, "include"),
                     src, "-o", str(exe)], check=True, capture_output=True, timeout=600)
-    for kind, ops in (("f32", [0, 1, 2, 4, 8]), ("bf16", [0, 4, 6, 10, 18])):
-        proc = subprocess.run([str(exe), kind, "2", "100", "3"], capture_output=True, text=True,
-                              timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        if "nothing measured" in proc.stdout:
-            continue
-        rows = [ln.split() for ln in proc.stdout.splitlines() if "of read" in ln]
-        assert [r[0] for r in rows] == ["read", "R=1", "R=2", "R=4", "R=8"]
-        assert [int(r[1]) for r in rows] == ops
-        assert rows[0][-3] == "100.0%"
+    ops = {("avx512", "f32"): [0, 1, 2, 4, 8], ("avx512", "bf16"): [0, 4, 6, 10, 18],
+           ("avx2", "f32"): [0, 2, 4, 8, 16], ("avx2", "bf16"): [0, 8, 12, 20, 36]}
+    for isa in ("", "avx2"):
+        for kind in ("f32", "bf16"):
+            env = dict(os.environ, PKV_PROBE_ISA=isa)
+            proc = subprocess.run([str(exe), kind, "2", "100", "3"], capture_output=True,
+                                  text=True, timeout=60, env=env)
+            assert proc.returncode == 0, proc.stderr
+            if "nothing measured" in proc.stdout:
+                continue
+            used = proc.stdout.split("isa=")[1].split()[0]
+            assert used in ("avx512", "avx2") and (used == "avx2" or isa != "avx2")
+            rows = [ln.split() for ln in proc.stdout.splitlines() if "of read" in ln]
+            assert [r[0] for r in rows] == ["read", "R=1", "R=2", "R=4", "R=8"]
+            assert [int(r[1]) for r in rows] == ops[used, kind]
+            assert rows[0][-3] == "100.0%"
