@@ -31,12 +31,7 @@
 #include "pagedkv/attention.h"
 #include "pagedkv/convert.h"
 #include "pagedkv/kvread.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+#include "harness.h"
 
 /* CPU seconds of the whole process (all threads): on a machine shared with
  * other jobs, time spent descheduled does not count.  Run with
@@ -47,13 +42,6 @@ static double cpu_now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint64_t rng(void) { /* xorshift64* */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 0x2545F4914F6CDD1Dull;
-}
 static double urand(void) { return (double)(rng() >> 11) / 9007199254740992.0 * 2.0 - 1.0; }
 
 static void *xalloc(size_t n) {
@@ -80,11 +68,6 @@ static void *xalloc_pool(size_t n) {
     }
     memset(p, 0, n);
     return p;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 static void summary(const char *name, double *t, int n, double bytes, double *med_out) {
@@ -196,13 +179,7 @@ int main(int argc, char **argv) {
     /* pool, blocks shuffled */
     char *arena = xalloc_pool((size_t)nb * g.block_bytes);
     int32_t *perm = xalloc(sizeof(int32_t) * nb);
-    for (int64_t i = 0; i < nb; i++) perm[i] = (int32_t)i;
-    for (int64_t i = nb - 1; i > 0; i--) {
-        const int64_t j = (int64_t)(rng() % (uint64_t)(i + 1));
-        const int32_t t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
+    shuffled_ids(perm, nb);
     int32_t **tables = xalloc(sizeof(int32_t *) * B);
     pkv_segs *segs = xalloc(sizeof(pkv_segs) * B);
     for (int64_t b = 0; b < B; b++) {

@@ -51,24 +51,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint64_t rng(void) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 0x2545F4914F6CDD1Dull;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
+#include "harness.h"
 
 typedef struct {
     const char *pool;
@@ -78,130 +61,126 @@ typedef struct {
     int64_t ahead; /* > 0: each line's twin in the block that many on is prefetched into L2 */
 } pattern;
 
-#define T512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
-#define T256 __attribute__((target("avx2,fma")))
+/* The two vector widths, as one vocabulary: V(W, name) is width W's name
+ * (W = 512: 64-byte vectors, 16 float lanes, 16 accumulators; W = 256: 32
+ * bytes, 8 lanes, 12 accumulators, 16 registers in all) */
+#define V(W, name) V##W##_##name
+#define V512_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
+#define V512_BYTES 64
+#define V512_NACC 16
+#define V512_PS __m512
+#define V512_SI __m512i
+#define V512_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define V512_XOR _mm512_xor_si512
+#define V512_ZERO_SI _mm512_setzero_si512
+#define V512_SLLI _mm512_slli_epi32
+#define V512_AND _mm512_and_si512
+#define V512_SET1_SI _mm512_set1_epi32
+#define V512_CAST _mm512_castsi512_ps
+#define V512_ZERO _mm512_setzero_ps
+#define V512_SET1 _mm512_set1_ps
+#define V512_FMA _mm512_fmadd_ps
+#define V512_ADD _mm512_add_ps
+#define V512_SUM_SI(x) ((double)_mm512_reduce_add_epi64(x))
+#define V512_SUM(x) ((double)_mm512_reduce_add_ps(x))
+#define V256_TARGET __attribute__((target("avx2,fma")))
+#define V256_BYTES 32
+#define V256_NACC 12
+#define V256_PS __m256
+#define V256_SI __m256i
+#define V256_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V256_XOR _mm256_xor_si256
+#define V256_ZERO_SI _mm256_setzero_si256
+#define V256_SLLI _mm256_slli_epi32
+#define V256_AND _mm256_and_si256
+#define V256_SET1_SI _mm256_set1_epi32
+#define V256_CAST _mm256_castsi256_ps
+#define V256_ZERO _mm256_setzero_ps
+#define V256_SET1 _mm256_set1_ps
+#define V256_FMA _mm256_fmadd_ps
+#define V256_ADD _mm256_add_ps
+#define V256_SUM_SI(x) ((double)_mm256_extract_epi64(x, 0))
+#define V256_SUM(x) sum256(x)
+V256_TARGET static double sum256(__m256 x) {
+    float v[8];
+    _mm256_storeu_ps(v, x);
+    return (double)(v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7]);
+}
 
-/* XOR of every 64-byte line of [p, p + n), 256 bytes at a time */
-T512 static __m512i xor512(__m512i x0, const char *p, size_t n) {
-    __m512i x1 = _mm512_setzero_si512(), x2 = x1, x3 = x1;
-    for (size_t i = 0; i < n; i += 256) {
-        x0 = _mm512_xor_si512(x0, _mm512_loadu_si512((const void *)(p + i)));
-        x1 = _mm512_xor_si512(x1, _mm512_loadu_si512((const void *)(p + i + 64)));
-        x2 = _mm512_xor_si512(x2, _mm512_loadu_si512((const void *)(p + i + 128)));
-        x3 = _mm512_xor_si512(x3, _mm512_loadu_si512((const void *)(p + i + 192)));
+/* XOR of every vector of [p, p + n) into x0, four at a time; the pattern
+ * read (XOR of every line of every block in order); a flush of other memory */
+#define READS(W)                                                                            \
+    V(W, TARGET) static V(W, SI) xor##W(V(W, SI) x0, const char *p, size_t n) {             \
+        V(W, SI) x1 = V(W, ZERO_SI)(), x2 = x1, x3 = x1;                                    \
+        for (size_t i = 0; i < n; i += 4 * V(W, BYTES)) {                                   \
+            x0 = V(W, XOR)(x0, V(W, LOAD)(p + i));                                          \
+            x1 = V(W, XOR)(x1, V(W, LOAD)(p + i + V(W, BYTES)));                            \
+            x2 = V(W, XOR)(x2, V(W, LOAD)(p + i + 2 * V(W, BYTES)));                        \
+            x3 = V(W, XOR)(x3, V(W, LOAD)(p + i + 3 * V(W, BYTES)));                        \
+        }                                                                                   \
+        return V(W, XOR)(V(W, XOR)(x0, x1), V(W, XOR)(x2, x3));                             \
+    }                                                                                       \
+    V(W, TARGET) static double p##W##_read(const pattern *p) {                              \
+        V(W, SI) x = V(W, ZERO_SI)();                                                       \
+        for (int64_t b = 0; b < p->nblk; b++)                                               \
+            x = xor##W(x, p->pool + (size_t)p->order[b] * 2 * p->plane, 2 * p->plane);      \
+        return V(W, SUM_SI)(x);                                                             \
+    }                                                                                       \
+    V(W, TARGET) static double flush##W(const char *p, size_t n) {                          \
+        return V(W, SUM_SI)(xor##W(V(W, ZERO_SI)(), p, n));                                 \
     }
-    return _mm512_xor_si512(_mm512_xor_si512(x0, x1), _mm512_xor_si512(x2, x3));
-}
-T256 static __m256i xor256(__m256i x0, const char *p, size_t n) {
-    __m256i x1 = _mm256_setzero_si256(), x2 = x1, x3 = x1;
-    for (size_t i = 0; i < n; i += 128) {
-        x0 = _mm256_xor_si256(x0, _mm256_loadu_si256((const __m256i *)(p + i)));
-        x1 = _mm256_xor_si256(x1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
-        x2 = _mm256_xor_si256(x2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
-        x3 = _mm256_xor_si256(x3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
-    }
-    return _mm256_xor_si256(_mm256_xor_si256(x0, x1), _mm256_xor_si256(x2, x3));
-}
-
-/* the pattern read (XOR of every line), and a flush of other memory */
-T512 static double p512_read(const pattern *p) {
-    __m512i x = _mm512_setzero_si512();
-    for (int64_t b = 0; b < p->nblk; b++)
-        x = xor512(x, p->pool + (size_t)p->order[b] * 2 * p->plane, 2 * p->plane);
-    return (double)_mm512_reduce_add_epi64(x);
-}
-T256 static double p256_read(const pattern *p) {
-    __m256i x = _mm256_setzero_si256();
-    for (int64_t b = 0; b < p->nblk; b++)
-        x = xor256(x, p->pool + (size_t)p->order[b] * 2 * p->plane, 2 * p->plane);
-    return (double)_mm256_extract_epi64(x, 0);
-}
-T512 static double flush512(const char *p, size_t n) {
-    return (double)_mm512_reduce_add_epi64(xor512(_mm512_setzero_si512(), p, n));
-}
-T256 static double flush256(const char *p, size_t n) {
-    return (double)_mm256_extract_epi64(xor256(_mm256_setzero_si256(), p, n), 0);
-}
+READS(512)
+READS(256)
 
 /* R FMAs per vector x into independent accumulators: vector k of a group of
- * lines (float32: one per 64-byte line with AVX-512, two with AVX2; bfloat16:
- * twice that, the even and the odd halves) starts at accumulator k * R */
-#define FMAS(acc, NACC, FMA, x, R, k)                                            \
-    _Pragma("GCC unroll 8") for (int r_ = 0; r_ < (R); r_++)                                             \
-        acc[((k) * (R) + r_) % (NACC)] = FMA(x, m, acc[((k) * (R) + r_) % (NACC)]);
+ * 256 bytes (float32: one per loaded vector; bfloat16: two, the even and the
+ * odd halves) starts at accumulator k * R */
+#define FMAS(W, x, R, k)                                                                    \
+    _Pragma("GCC unroll 8") for (int r_ = 0; r_ < (R); r_++)                                \
+        acc[((k) * (R) + r_) % V(W, NACC)] = V(W, FMA)(x, m, acc[((k) * (R) + r_) % V(W, NACC)]);
 
-/* The walk of the pattern, 256 bytes (4 lines) at a time, with the
- * prefetch of the same offset PKV_PROBE_AHEAD blocks on; BODY(R, BF, s + i)
- * does one group's work */
-#define WALK(BODY, R, BF)                                                                         \
-    for (int64_t b = 0; b < p->nblk; b++) {                                                  \
-        const char *s = p->pool + (size_t)p->order[b] * 2 * p->plane;                        \
-        const int64_t bf_ = b + p->ahead < p->nblk ? b + p->ahead : b;                      \
-        const char *f = p->pool + (size_t)p->order[bf_] * 2 * p->plane;                      \
-        for (size_t i = 0; i < 2 * p->plane; i += 256) {                                     \
-            if (p->ahead)                                                                    \
-                for (int l = 0; l < 4; l++) _mm_prefetch(f + i + 64 * l, _MM_HINT_T1);       \
-            BODY(R, BF, s + i)                                                               \
-        }                                                                                    \
+/* The work on one group of 256 bytes at g: each vector loaded, widened where
+ * bfloat16 (BF), and R FMAs per float vector */
+#define GROUP(W, R, BF, g)                                                                  \
+    _Pragma("GCC unroll 8") for (int l = 0; l < 256 / V(W, BYTES); l++) {                   \
+        const V(W, SI) w = V(W, LOAD)((g) + V(W, BYTES) * l);                               \
+        if (BF) {                                                                           \
+            FMAS(W, V(W, CAST)(V(W, SLLI)(w, 16)), R, 2 * l)                                \
+            FMAS(W, V(W, CAST)(V(W, AND)(w, hi)), R, 2 * l + 1)                             \
+        } else {                                                                            \
+            FMAS(W, V(W, CAST)(w), R, l)                                                    \
+        }                                                                                   \
     }
 
-/* AVX-512: 16 lanes, 16 accumulators */
-#define BODY512(R, BF, g)                                                                    \
-    _Pragma("GCC unroll 4") for (int l = 0; l < 4; l++) {                                                            \
-        const __m512i w = _mm512_loadu_si512((const void *)((g) + 64 * l));                  \
-        if (BF) {                                                                            \
-            FMAS(acc, 16, _mm512_fmadd_ps, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), R, 2 * l) \
-            FMAS(acc, 16, _mm512_fmadd_ps, _mm512_castsi512_ps(_mm512_and_si512(w, hi)), R, 2 * l + 1) \
-        } else {                                                                             \
-            FMAS(acc, 16, _mm512_fmadd_ps, _mm512_castsi512_ps(w), R, l)                     \
-        }                                                                                    \
-    }
-#define PASS512(name, R, BF)                                                                 \
-    T512 static double name(const pattern *p) {                                              \
-        __m512 acc[16];                                                                      \
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                           \
-        const __m512 m = _mm512_set1_ps(1.001f);                                             \
-        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                              \
-        (void)hi;                                                                            \
-        WALK(BODY512, R, BF)                                                                 \
-        __m512 t = acc[0];                                                                   \
-        for (int j = 1; j < 16; j++) t = _mm512_add_ps(t, acc[j]);                           \
-        return (double)_mm512_reduce_add_ps(t);                                              \
-    }
-
-/* AVX2: 8 lanes, 12 accumulators (16 registers in all) */
-#define BODY256(R, BF, g)                                                                    \
-    _Pragma("GCC unroll 8") for (int l = 0; l < 8; l++) {                                                            \
-        const __m256i w = _mm256_loadu_si256((const __m256i *)((g) + 32 * l));               \
-        if (BF) {                                                                            \
-            FMAS(acc, 12, _mm256_fmadd_ps, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), R, 2 * l) \
-            FMAS(acc, 12, _mm256_fmadd_ps, _mm256_castsi256_ps(_mm256_and_si256(w, hi)), R, 2 * l + 1) \
-        } else {                                                                             \
-            FMAS(acc, 12, _mm256_fmadd_ps, _mm256_castsi256_ps(w), R, l)                     \
-        }                                                                                    \
-    }
-#define PASS256(name, R, BF)                                                                 \
-    T256 static double name(const pattern *p) {                                              \
-        __m256 acc[12];                                                                      \
-        for (int j = 0; j < 12; j++) acc[j] = _mm256_setzero_ps();                           \
-        const __m256 m = _mm256_set1_ps(1.001f);                                             \
-        const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);                              \
-        (void)hi;                                                                            \
-        WALK(BODY256, R, BF)                                                                 \
-        __m256 t = acc[0];                                                                   \
-        for (int j = 1; j < 12; j++) t = _mm256_add_ps(t, acc[j]);                           \
-        float v[8];                                                                          \
-        _mm256_storeu_ps(v, t);                                                              \
-        return (double)(v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7]);              \
+/* One variant: the pattern walked 256 bytes (4 lines) at a time, with the
+ * prefetch of the same offset PKV_PROBE_AHEAD blocks on */
+#define PASS(W, name, R, BF)                                                                \
+    V(W, TARGET) static double p##W##_##name(const pattern *p) {                            \
+        V(W, PS) acc[V(W, NACC)];                                                           \
+        for (int j = 0; j < V(W, NACC); j++) acc[j] = V(W, ZERO)();                         \
+        const V(W, PS) m = V(W, SET1)(1.001f);                                              \
+        const V(W, SI) hi = V(W, SET1_SI)((int)0xFFFF0000u);                                \
+        (void)hi;                                                                           \
+        for (int64_t b = 0; b < p->nblk; b++) {                                             \
+            const char *s = p->pool + (size_t)p->order[b] * 2 * p->plane;                   \
+            const int64_t bf_ = b + p->ahead < p->nblk ? b + p->ahead : b;                 \
+            const char *f = p->pool + (size_t)p->order[bf_] * 2 * p->plane;                 \
+            for (size_t i = 0; i < 2 * p->plane; i += 256) {                                \
+                if (p->ahead)                                                               \
+                    for (int l = 0; l < 4; l++) _mm_prefetch(f + i + 64 * l, _MM_HINT_T1);  \
+                GROUP(W, R, BF, s + i)                                                      \
+            }                                                                               \
+        }                                                                                   \
+        V(W, PS) t = acc[0];                                                                \
+        for (int j = 1; j < V(W, NACC); j++) t = V(W, ADD)(t, acc[j]);                      \
+        return V(W, SUM)(t);                                                                \
     }
 
-#define VARIANTS(X)                                                                          \
-    X(f32_1, 1, 0) X(f32_2, 2, 0) X(f32_4, 4, 0) X(f32_8, 8, 0)                              \
-    X(bf16_1, 1, 1) X(bf16_2, 2, 1) X(bf16_4, 4, 1) X(bf16_8, 8, 1)
-#define MK512(v, R, BF) PASS512(p512_##v, R, BF)
-#define MK256(v, R, BF) PASS256(p256_##v, R, BF)
-VARIANTS(MK512)
-VARIANTS(MK256)
+#define VARIANTS(W)                                                                         \
+    PASS(W, f32_1, 1, 0) PASS(W, f32_2, 2, 0) PASS(W, f32_4, 4, 0) PASS(W, f32_8, 8, 0)    \
+    PASS(W, bf16_1, 1, 1) PASS(W, bf16_2, 2, 1) PASS(W, bf16_4, 4, 1) PASS(W, bf16_8, 8, 1)
+VARIANTS(512)
+VARIANTS(256)
 
 int main(int argc, char **argv) {
     if (argc < 5) {
@@ -234,13 +213,7 @@ int main(int argc, char **argv) {
     }
     for (size_t j = 0; j < (size_t)nblk * 2 * plane / 2; j++) /* small values: bfloat16 or float */
         ((uint16_t *)pool)[j] = (uint16_t)(0x3c00 + (rng() & 0xff));
-    for (int64_t i = 0; i < nblk; i++) order[i] = (int32_t)i;
-    for (int64_t i = nblk - 1; i > 0; i--) {
-        const int64_t j = (int64_t)(rng() % (uint64_t)(i + 1));
-        const int32_t t = order[i];
-        order[i] = order[j];
-        order[j] = t;
-    }
+    shuffled_ids(order, nblk);
     const char *pe = getenv("PKV_PROBE_AHEAD");
     const pattern p = {pool, order, nblk, plane, pe ? atoll(pe) : 1};
     const char *fe = getenv("PKV_FLUSH_MIB");

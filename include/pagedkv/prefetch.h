@@ -110,10 +110,10 @@ static inline int pkv_pf_into_l2(void) {
  * 132-187 -> 174-223 us.
  * Beside the stream, on an Intel Xeon of the Emerald Rapids class
  * (decode_ceiling, decode as % of the pattern read, paired rounds, two
- * builds alternated, one thread unless said): f32 B=1 L=8192 87-89% ->
- * 94-96%, B=8 L=2048 92-93% -> 95-96%, two threads 87-92% -> 96-97%; f64
- * B=8 L=2048 92-93% -> 94-95% (the pool flushed from the caches before each
- * call); bfloat16 and int8 storage within the rounds' spread.
+ * builds alternated, one thread unless said): f32 B=1 L=8192 88.5-89.1% ->
+ * 90.8-92.1%, B=8 L=2048 90.0-90.3% -> 92.5-93.4%, two threads 87.5-90.6%
+ * -> 88.2-95.3%; f64 B=8 L=2048 92.0-92.5% -> 94.4-95.2% (the pool flushed
+ * from the caches before each call); bfloat16 and int8 storage 1-4 points.
  * -DPKV_PF_L1K=0/1 forces it (tests, measurements). */
 #ifndef PKV_L1K_AHEAD
 #define PKV_L1K_AHEAD 16
