@@ -73,7 +73,12 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             if unix:
                 opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g" if PROFILE else "-g0"]
-                ext.extra_compile_args = opt + ["-std=c11", "-fno-strict-aliasing",
+                # -fno-wrapv undoes Python's own -fwrapv (signed overflow wraps), which
+                # keeps the compiler from widening and strength-reducing the kernels'
+                # int arithmetic.  Neither the C headers nor Cython's output rely on
+                # wrapping (Cython's also builds with MSVC, which has no such flag), and
+                # the sanitizer build (tools/sanitize.sh) checks signed overflow with it.
+                ext.extra_compile_args = opt + ["-std=c11", "-fno-strict-aliasing", "-fno-wrapv",
                                                 "-Wno-unused-function"] + openmp
                 strip = (["-s"] if not (DEBUG or SANITIZE or PROFILE) and sys.platform.startswith("linux")
                          else [])

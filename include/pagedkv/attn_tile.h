@@ -54,12 +54,12 @@
 #ifndef PKV_MK_ROUND
 #define PKV_MK_ROUND(NS) ((NS) < 2 ? 4 : 2 * (NS))
 #endif
-/* k is a ptrdiff_t: the extension is built with -fwrapv (Python's own
- * compiler flags, which setuptools passes on), under which an int index
- * cannot be widened once for the loop, so every (size_t)(k + u) * stride
- * became a sign extension and a multiply per step (objdump of avx512
- * float32 tile_values: 93 imul and 209 movslq with int, 50 and 83 with
- * ptrdiff_t; docs/performance-history.md has the timings). */
+/* k is a ptrdiff_t: under -fwrapv (Python's own compiler flags, which
+ * setuptools passes on; setup.py now undoes it, a build with other flags
+ * may not) an int index cannot be widened once for the loop, so every
+ * (size_t)(k + u) * stride became a sign extension and a multiply per step
+ * (objdump of avx512 float32 tile_values: 93 imul and 209 movslq with int,
+ * 50 and 83 with ptrdiff_t; docs/performance-history.md has the timings). */
 #define PKV_MK_SWEEP(acc, R, NV, NS, LOAD, BCAST, k, end)                                \
     for (; k + PKV_MK_ROUND(NS) <= (end); k += PKV_MK_ROUND(NS)) {                       \
         PKV_PFS_STEP(PKV_PF_STEP_LINES(PKV_MK_ROUND(NS) * (NV)))                         \
@@ -735,15 +735,40 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
 static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *rows, int na, int n,
                                         PKV_T c, double *m, double *l, PKV_T *restrict alpha) {
     PKV_T mnew[PKV_MAX_ROWS], ea[PKV_MAX_ROWS];
-    int nan = 0;
-    for (int a = 0; a < na; a++) {
-        const PKV_T mx = PKV_FN(row_max)(s + (size_t)a * ldc, n) * c;
-        const PKV_T mo = (PKV_T)m[rows[a]];
-        nan |= !(mx < (PKV_T)INFINITY); /* NaN or +inf: tile_softmax's case */
-        mnew[a] = mo > mx ? mo : mx;
-        ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
+    if (n % PKV_W == 0) {
+        /* whole vectors: one horizontal max a row, and for all rows at once
+         * one sum of x - x (0 for a finite score, NaN for a NaN or an
+         * infinity): a row's own check took a second horizontal reduction
+         * (row_max).  An infinite score, -inf included, goes to tile_softmax's
+         * path, which tells them apart. */
+        PKV_VEC vz = PKV_VZERO();
+        for (int a = 0; a < na; a++) {
+            const PKV_T *sa = s + (size_t)a * ldc;
+            PKV_VEC vm = PKV_VLOAD(sa), z = PKV_VSUB(vm, vm);
+            for (int j = PKV_W; j < n; j += PKV_W) {
+                const PKV_VEC x = PKV_VLOAD(sa + j);
+                vm = PKV_VMAX(vm, x);
+                z = PKV_VADD(z, PKV_VSUB(x, x));
+            }
+            vz = PKV_VADD(vz, z);
+            const PKV_T mx = PKV_VHMAX(vm) * c;
+            const PKV_T mo = (PKV_T)m[rows[a]];
+            mnew[a] = mo > mx ? mo : mx;
+            ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
+        }
+        const PKV_T z = PKV_VREDUCE(vz);
+        if (z != z) return 0;
+    } else {
+        int nan = 0;
+        for (int a = 0; a < na; a++) {
+            const PKV_T mx = PKV_FN(row_max)(s + (size_t)a * ldc, n) * c;
+            const PKV_T mo = (PKV_T)m[rows[a]];
+            nan |= !(mx < (PKV_T)INFINITY); /* NaN or +inf: tile_softmax's case */
+            mnew[a] = mo > mx ? mo : mx;
+            ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
+        }
+        if (nan) return 0;
     }
-    if (nan) return 0;
     const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
     PKV_FN(exp_inplace)(ea, na);
     for (int a = 0; a < na; a++) {
