@@ -141,7 +141,8 @@ def weights_tol(cache):
     if cache is None or not getattr(cache, "quantizes_weights", False):
         return 0.0
     bs = cache.block_size
-    tile = bs if bs >= 64 else (64 // bs) * bs  # PKV_TILE_KEYS = 64 (attn_args.h)
+    # PKV_DECODE_TILE_KEYS = 64 (attn_args.h), also int8 storage's prefill tile
+    tile = bs if bs >= 64 else (64 // bs) * bs
     return tile / 65534.0
 
 

@@ -33,11 +33,21 @@ typedef struct {
 
 /* Keys per tile: a work item folds its blocks this many keys at a time
  * (one softmax step per tile and head; the score micro-kernel gathers its
- * key vectors across the tile's blocks).  Measured (decode_ceiling, f32,
- * bs=16, 1 thread): 32 and 128 keys both slower than 64, in cache (59-66 /
- * 65-75 vs 69-76 G FMA lanes/s) and out of DRAM (58-59% / 58-64% vs 64-65%
- * of the pattern read).  prefetch.h's stream holds one tile's blocks. */
-#define PKV_TILE_KEYS 64
+ * key vectors across the tile's blocks).  Decode: 64.  Measured
+ * (decode_ceiling, f32, bs=16, 1 thread): 32 and 128 keys both slower than
+ * 64, in cache (59-66 / 65-75 vs 69-76 G FMA lanes/s) and out of DRAM
+ * (58-59% / 58-64% vs 64-65% of the pattern read).  Causal prefill: 128,
+ * whose 64 query rows per head then take half as many softmax steps, score
+ * tile calls and P.V passes per key; on an Intel Xeon (Emerald Rapids
+ * class, avx512vnni, f32 L=2048, alternated processes) 137.9 -> 142.5
+ * useful GFLOP/s on one thread and 281.5 -> 288.6 on two, L=512 129.1 ->
+ * 131.9; 32 keys gave 117 against 137.  PKV_TILE_KEYS, the larger, sizes the
+ * arrays and the scratch; prefetch.h's stream holds one tile's blocks. */
+#define PKV_DECODE_TILE_KEYS 64
+#define PKV_PREFILL_TILE_KEYS 128
+#define PKV_TILE_KEYS 128
+_Static_assert(PKV_DECODE_TILE_KEYS <= PKV_TILE_KEYS && PKV_PREFILL_TILE_KEYS <= PKV_TILE_KEYS,
+               "PKV_TILE_KEYS is the largest tile");
 _Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)),
                "a tile's blocks must fit the prefetch stream (prefetch.h)");
 /* 0 turns the kernels' software prefetch off (for measurements) */
@@ -46,11 +56,12 @@ _Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)
 #endif
 #define PKV_MAX_KVECS (2 * PKV_TILE_KEYS + 2)
 
-/* blocks per tile, and the columns of a tile's score rows (>= its keys,
- * a multiple of 16 so every vector width divides it) */
-static inline int pkv_tile_blocks(int bs) { return bs >= PKV_TILE_KEYS ? 1 : PKV_TILE_KEYS / bs; }
-static inline int pkv_tile_cols(int bs) {
-    return (pkv_tile_blocks(bs) * bs + 15) / 16 * 16;
+/* blocks per tile of tk keys, and the columns of a tile's score rows (>= its
+ * keys, a multiple of 16 so every vector width divides it; never fewer for a
+ * larger tk, so PKV_TILE_KEYS's size the scratch) */
+static inline int pkv_tile_blocks(int bs, int tk) { return bs >= tk ? 1 : tk / bs; }
+static inline int pkv_tile_cols(int bs, int tk) {
+    return (pkv_tile_blocks(bs, tk) * bs + 15) / 16 * 16;
 }
 
 /* One key vector of a tile: PKV_W consecutive keys' K^T at dimension 0 of lane
@@ -270,7 +281,7 @@ static inline size_t pkv_qdot_bytes(int d) {
  * values widened, [tile cols][d]; attn_tile.h). */
 static inline size_t pkv_scratch_bytes(int bs, int d, size_t itemsize) {
     const size_t nqd = (size_t)PKV_MAX_ROWS * d * itemsize;
-    const size_t cols = (size_t)pkv_tile_cols(bs);
+    const size_t cols = (size_t)pkv_tile_cols(bs, PKV_TILE_KEYS);
     const size_t rope = (size_t)d * cols + (size_t)(d + 15) / 16 * 16; /* + widen_values' offset */
     const size_t values = (size_t)(d + 15) / 16 * 16 + (size_t)(PKV_MAX_ROWS + 4) * cols;
     return 3 * 8 * PKV_MAX_ROWS + 2 * PKV_ALIGN_UP(nqd) + PKV_ALIGN_UP(PKV_MAX_ROWS * itemsize) +

@@ -33,7 +33,8 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
         orows = a->qo16 ? sc.acc : (PKV_T *)a->out + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
     const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                                           lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
-                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, pl->l1k, 0, orows);
+                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, pl->l1k, 0,
+                                          PKV_DECODE_TILE_KEYS, orows);
     if (done) {
         if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
     } else if (nchunk == 1) {
@@ -186,6 +187,13 @@ static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const char *ba
     }
 }
 
+/* Keys per prefill tile (attn_args.h).  int8 storage keeps decode's: where
+ * P.V rounds the weights to int16 (attn_pvdot.h) it does so per tile, with
+ * an error bound of (keys of a tile) / 65534 of max |v|. */
+static inline int PKV_KFN(prefill_tile_keys)(void) {
+    return PKV_STORE_SCALED ? PKV_DECODE_TILE_KEYS : PKV_PREFILL_TILE_KEYS;
+}
+
 /* One prefill work item `it` of the plan (see prefill). */
 static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefill_plan *pl,
                                          int64_t it) {
@@ -209,7 +217,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
      * tiles last to first, starting on the K/V its predecessor read last */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
-                     0, (int)((it / pl->nthreads) & 1), NULL);
+                     0, (int)((it / pl->nthreads) & 1), PKV_KFN(prefill_tile_keys)(), NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }
 

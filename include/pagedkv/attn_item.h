@@ -13,7 +13,8 @@
  * head sees ranks <= lim[i].
  *
  * The item's blocks (each with the run of held slots it contributes) are
- * taken a tile of PKV_TILE_KEYS keys at a time: for each head of the item,
+ * taken a tile of tk keys at a time (PKV_DECODE_TILE_KEYS or
+ * PKV_PREFILL_TILE_KEYS, attn_args.h): for each head of the item,
  * scores of its rows against the tile's keys (K of the tile's blocks) and
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
  * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
@@ -38,7 +39,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                 const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
                                 int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, int l1k, int reverse,
+                                char *restrict qdot, int pfk, int l1k, int reverse, int tk,
                                 PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
@@ -48,7 +49,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     const int32_t *table = a->tables[s];
     const pkv_segs sg = a->segs[s];
     const int nq = nh * nqh;
-    const int tb = pkv_tile_blocks(bs), ldc = pkv_tile_cols(bs);
+    const int tb = pkv_tile_blocks(bs, tk), ldc = pkv_tile_cols(bs, tk);
 #if PKV_STORE_SCALED
     const size_t hscales = (size_t)bs * sizeof(float) * ((d + PKV_I8_GROUP - 1) / PKV_I8_GROUP);
     const char *ksc = (const char *)a->k + a->scale_offset + (size_t)h0 * hscales;

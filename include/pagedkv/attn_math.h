@@ -389,7 +389,7 @@ static inline PKV_FN(scratch_t) PKV_FN(scratch)(const pkv_attn_args *a, int tid)
     sc.qbuf = (PKV_T *)p;         p += PKV_ALIGN_UP(sizeof(PKV_T) * nqd);
     sc.acc = (PKV_T *)p;          p += PKV_ALIGN_UP(sizeof(PKV_T) * nqd);
     sc.alpha = (PKV_T *)p;        p += PKV_ALIGN_UP(sizeof(PKV_T) * PKV_MAX_ROWS);
-    sc.sbuf = (PKV_T *)p;         p += PKV_ALIGN_UP(sizeof(PKV_T) * PKV_MAX_ROWS * (size_t)pkv_tile_cols(a->bs));
+    sc.sbuf = (PKV_T *)p;         p += PKV_ALIGN_UP(sizeof(PKV_T) * PKV_MAX_ROWS * (size_t)pkv_tile_cols(a->bs, PKV_TILE_KEYS));
     sc.qdot = p;                  p += PKV_ALIGN_UP(pkv_qdot_bytes(a->d));
     sc.kbuf = (PKV_T *)p;
     return sc;

@@ -806,8 +806,11 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
         for (int a = 0; a < na; a++)
             full &= lim[rows[a]] - r + 1 >= n && pkv_window_lo(lim[rows[a]], window) <= r;
         /* a whole tile calls it with a constant n (fixed trip counts once inlined) */
-        if (full && (n == PKV_TILE_KEYS ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_TILE_KEYS, c, m, l, alpha)
-                                        : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha)))
+        if (full && (n == PKV_DECODE_TILE_KEYS
+                         ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_DECODE_TILE_KEYS, c, m, l, alpha)
+                     : n == PKV_PREFILL_TILE_KEYS
+                         ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_PREFILL_TILE_KEYS, c, m, l, alpha)
+                         : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha)))
             return;
     }
     /* in three passes over the rows, so that no row waits on another's scalar

@@ -35,8 +35,8 @@
 
 #define PKV_PF_STRIDE 64  /* every line */
 typedef struct {
-    /* the next unit's slices (a tile has at most PKV_TILE_KEYS = 64 blocks, attn_args.h) */
-    const char *p[64];
+    /* the next unit's slices (a tile has at most PKV_TILE_KEYS = 128 blocks, attn_args.h) */
+    const char *p[128];
     int n, cur;        /* slices; the one being prefetched */
     size_t len;        /* bytes per slice */
     const char *at, *end; /* next line to prefetch in slice cur, and its end */

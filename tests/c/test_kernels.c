@@ -152,7 +152,7 @@ static double rtol_of(int dt) { return dt == PKV_F64 ? 1e-12 : 1e-5; }
  * values (pkv_quantizes_weights, attn_pvdot.h), the bound that rounding
  * adds, as a fraction of max|v|: (keys of a tile) / 65534 */
 static double weights_tol(const config *c, int simd) {
-    return pkv_quantizes_weights(c->st, c->dt, simd) ? pkv_tile_blocks(c->bs) * c->bs / 65534.0 : 0.0;
+    return pkv_quantizes_weights(c->st, c->dt, simd) ? pkv_tile_blocks(c->bs, PKV_DECODE_TILE_KEYS) * c->bs / 65534.0 : 0.0;
 }
 
 /* compare n outputs of path simd against the reference; returns the worst
