@@ -36,13 +36,14 @@ typedef struct {
  * key vectors across the tile's blocks).  Decode: 64.  Measured
  * (decode_ceiling, f32, bs=16, 1 thread): 32 and 128 keys both slower than
  * 64, in cache (59-66 / 65-75 vs 69-76 G FMA lanes/s) and out of DRAM
- * (58-59% / 58-64% vs 64-65% of the pattern read).  Causal prefill: 128,
- * whose 64 query rows per head then take half as many softmax steps, score
- * tile calls and P.V passes per key; on an Intel Xeon (Emerald Rapids
- * class, avx512vnni, f32 L=2048, alternated processes) 137.9 -> 142.5
- * useful GFLOP/s on one thread and 281.5 -> 288.6 on two, L=512 129.1 ->
- * 131.9; 32 keys gave 117 against 137.  PKV_TILE_KEYS, the larger, sizes the
- * arrays and the scratch; prefetch.h's stream holds one tile's blocks. */
+ * (58-59% / 58-64% vs 64-65% of the pattern read).  Causal prefill: 128
+ * on the AVX-512 and NEON kernels (attn_calls.h: prefill_tile_keys), whose 64
+ * query rows per head then take half as many softmax steps, score tile calls
+ * and P.V passes per key; on an Intel Xeon (Emerald Rapids class,
+ * avx512vnni, f32 L=2048, alternated processes) 138.2 -> 141.8 useful
+ * GFLOP/s on one thread and 276.8 -> 283.7 on two, f64 L=1024 the same; 32
+ * keys gave 117 against 137.  PKV_TILE_KEYS, the larger, sizes the arrays and
+ * the scratch; prefetch.h's stream holds one tile's blocks. */
 #define PKV_DECODE_TILE_KEYS 64
 #define PKV_PREFILL_TILE_KEYS 128
 #define PKV_TILE_KEYS 128
@@ -58,7 +59,7 @@ _Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)
 
 /* blocks per tile of tk keys, and the columns of a tile's score rows (>= its
  * keys, a multiple of 16 so every vector width divides it; never fewer for a
- * larger tk, so PKV_TILE_KEYS's size the scratch) */
+ * larger tk, so PKV_TILE_KEYS sizes the scratch) */
 static inline int pkv_tile_blocks(int bs, int tk) { return bs >= tk ? 1 : tk / bs; }
 static inline int pkv_tile_cols(int bs, int tk) {
     return (pkv_tile_blocks(bs, tk) * bs + 15) / 16 * 16;

@@ -187,11 +187,14 @@ static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const char *ba
     }
 }
 
-/* Keys per prefill tile (attn_args.h).  int8 storage keeps decode's: where
- * P.V rounds the weights to int16 (attn_pvdot.h) it does so per tile, with
- * an error bound of (keys of a tile) / 65534 of max |v|. */
+/* Keys per prefill tile (attn_args.h): the longer tile where the register
+ * tiles are 4 key vectors wide (32 vector registers: AVX-512, NEON).  On the
+ * AVX2 kernels (forced on an Intel Xeon, f32 L=2048, one thread, alternated
+ * processes) 128 keys were slower: 66.5 -> 63.8 useful GFLOP/s.  int8 storage
+ * keeps decode's: where P.V rounds the weights to int16 (attn_pvdot.h) it does
+ * so per tile, with an error bound of (keys of a tile) / 65534 of max |v|. */
 static inline int PKV_KFN(prefill_tile_keys)(void) {
-    return PKV_STORE_SCALED ? PKV_DECODE_TILE_KEYS : PKV_PREFILL_TILE_KEYS;
+    return PKV_SC_NV == 4 && !PKV_STORE_SCALED ? PKV_PREFILL_TILE_KEYS : PKV_DECODE_TILE_KEYS;
 }
 
 /* One prefill work item `it` of the plan (see prefill). */
