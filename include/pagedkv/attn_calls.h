@@ -192,9 +192,15 @@ static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const char *ba
  * AVX2 kernels (forced on an Intel Xeon, f32 L=2048, one thread, alternated
  * processes) 128 keys were slower: 66.5 -> 63.8 useful GFLOP/s.  int8 storage
  * keeps decode's: where P.V rounds the weights to int16 (attn_pvdot.h) it does
- * so per tile, with an error bound of (keys of a tile) / 65534 of max |v|. */
+ * so per tile, with an error bound of (keys of a tile) / 65534 of max |v|.  So
+ * do the bfloat16 dot-product and AMX scores (attn_bf16dot.h, attn_amx.h):
+ * not yet measured with the longer tile. */
 static inline int PKV_KFN(prefill_tile_keys)(void) {
-    return PKV_SC_NV == 4 && !PKV_STORE_SCALED ? PKV_PREFILL_TILE_KEYS : PKV_DECODE_TILE_KEYS;
+#if PKV_SC_NV == 4 && !PKV_STORE_SCALED && !PKV_BF16_DOT && !PKV_BF16_AMX
+    return PKV_PREFILL_TILE_KEYS;
+#else
+    return PKV_DECODE_TILE_KEYS;
+#endif
 }
 
 /* One prefill work item `it` of the plan (see prefill). */
