@@ -735,15 +735,19 @@ static inline void PKV_KFN(score_runs)(const PKV_QROWS *restrict qh, const int *
 static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *rows, int na, int n,
                                         PKV_T c, double *m, double *l, PKV_T *restrict alpha) {
     PKV_T mnew[PKV_MAX_ROWS], ea[PKV_MAX_ROWS];
-    if (n % PKV_W == 0) {
-        /* whole vectors: one horizontal max a row, and for all rows at once
-         * one sum of x - x (0 for a finite score, NaN for a NaN or an
-         * infinity): a row's own check took a second horizontal reduction
-         * (row_max).  An infinite score, -inf included, goes to tile_softmax's
-         * path, which tells them apart. */
-        PKV_VEC vz = PKV_VZERO();
-        for (int a = 0; a < na; a++) {
-            const PKV_T *sa = s + (size_t)a * ldc;
+    /* whole: the columns are whole vectors (n is a constant for whole tiles,
+     * so this folds).  Then one horizontal max a row, and for all rows at once
+     * one sum of x - x (0 for a finite score, NaN for a NaN or an infinity):
+     * row_max's own check takes a second horizontal reduction per row.  An
+     * infinite score, -inf included, goes to tile_softmax's path, which tells
+     * them apart. */
+    const int whole = n % PKV_W == 0;
+    PKV_VEC vz = PKV_VZERO();
+    int nan = 0;
+    for (int a = 0; a < na; a++) {
+        const PKV_T *sa = s + (size_t)a * ldc;
+        PKV_T mx;
+        if (whole) {
             PKV_VEC vm = PKV_VLOAD(sa), z = PKV_VSUB(vm, vm);
             for (int j = PKV_W; j < n; j += PKV_W) {
                 const PKV_VEC x = PKV_VLOAD(sa + j);
@@ -751,24 +755,20 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
                 z = PKV_VADD(z, PKV_VSUB(x, x));
             }
             vz = PKV_VADD(vz, z);
-            const PKV_T mx = PKV_VHMAX(vm) * c;
-            const PKV_T mo = (PKV_T)m[rows[a]];
-            mnew[a] = mo > mx ? mo : mx;
-            ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
-        }
-        const PKV_T z = PKV_VREDUCE(vz);
-        if (z != z) return 0;
-    } else {
-        int nan = 0;
-        for (int a = 0; a < na; a++) {
-            const PKV_T mx = PKV_FN(row_max)(s + (size_t)a * ldc, n) * c;
-            const PKV_T mo = (PKV_T)m[rows[a]];
+            mx = PKV_VHMAX(vm) * c;
+        } else {
+            mx = PKV_FN(row_max)(sa, n) * c;
             nan |= !(mx < (PKV_T)INFINITY); /* NaN or +inf: tile_softmax's case */
-            mnew[a] = mo > mx ? mo : mx;
-            ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
         }
-        if (nan) return 0;
+        const PKV_T mo = (PKV_T)m[rows[a]];
+        mnew[a] = mo > mx ? mo : mx;
+        ea[a] = mo - mnew[a]; /* -inf at a row's first tile: its alpha is 0 below */
     }
+    if (whole) {
+        const PKV_T z = PKV_VREDUCE(vz);
+        nan = z != z;
+    }
+    if (nan) return 0;
     const PKV_T c2 = c * (PKV_T)PKV_LOG2E;
     PKV_FN(exp_inplace)(ea, na);
     for (int a = 0; a < na; a++) {
