@@ -33,7 +33,7 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
         orows = a->qo16 ? sc.acc : (PKV_T *)a->out + ((size_t)b * a->hq + (size_t)h0 * gsz) * d;
     const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                                           lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
-                                          sc.kbuf, sc.alpha, sc.qdot, pl->pfk, pl->l1k, 0,
+                                          sc.kbuf, sc.alpha, sc.qdot, pl->pf, pl->l1k, 0,
                                           PKV_DECODE_TILE_KEYS, orows);
     if (done) {
         if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
@@ -106,9 +106,9 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[1] = hpg;
         a->plan_out[2] = nchunk;
     }
-    const int pfk = pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES;
+    const int pf = kv_bytes < PKV_PF_MIN_BYTES ? 0 : pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES ? 2 : 1;
     const int l1k = kv_bytes >= PKV_L1K_MIN_BYTES && pkv_pf_l1k();
-    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pfk, l1k};
+    const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pf, l1k};
     int64_t it;
     if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -225,7 +225,7 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
      * before it are never read; every other item on this thread walks its
      * tiles last to first, starting on the K/V its predecessor read last */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
-                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 0,
+                     pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 1,
                      0, (int)((it / pl->nthreads) & 1), PKV_KFN(prefill_tile_keys)(), NULL);
     PKV_FN(store_out)(a, h, 1, t0, nt, g0, ng, sc.acc, sc.l, sc.m);
 }

@@ -17,10 +17,12 @@
  * PKV_PREFILL_TILE_KEYS, attn_args.h): for each head of the item,
  * scores of its rows against the tile's keys (K of the tile's blocks) and
  * one softmax step; then for each head P.V (V of the tile's blocks).  Each
- * (phase, head) is a unit of the prefetch stream (prefetch.h); pfk: K units
- * prefetch their next unit too (decode out of memory, where the stream goes
- * into L2); l1k (prefetch.h: pkv_pf_l1k): K units prefetch their own K^T rows
- * into L1 as the score tile walks them, beside the stream where there is one.
+ * (phase, head) is a unit of the prefetch stream (prefetch.h).  pf: 0 no
+ * stream (small decode calls, PKV_PF_MIN_BYTES); 1 V units prefetch the next
+ * unit; 2 K units too (decode out of memory, where the stream goes into L2).
+ * The stream runs only in items of fewer than PKV_PF_ROWS_MAX rows per head.
+ * l1k (prefetch.h: pkv_pf_l1k): K units prefetch their own K^T rows into L1
+ * as the score tile walks them, beside the stream where there is one.
  *
  * reverse: take the tiles last to first (items without the prefetch stream;
  * see prefill_item).
@@ -39,7 +41,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                 const PKV_T *q, int nqh, const int64_t *lim, int64_t rbeg,
                                 int64_t rend, PKV_T *acc, double *m, double *l,
                                 PKV_T *restrict sbuf, PKV_T *restrict kbuf, PKV_T *restrict alpha,
-                                char *restrict qdot, int pfk, int l1k, int reverse, int tk,
+                                char *restrict qdot, int pf, int l1k, int reverse, int tk,
                                 PKV_T *out) {
     const int bs = a->bs, d = a->d;
     const size_t hstride = (size_t)bs * d * sizeof(PKV_S); /* one head of a block */
@@ -109,6 +111,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
      * found by stepping on from there (no 64-bit division). */
     pkv_pfs pfs;
     pfs.l2 = pkv_pf_into_l2();
+    const int pfk = pf > 1;
     pfs.l1k = pfk && l1k && !a->rope; /* the stream's K units walk their own rows into L1 too */
 #define PKV_UNIT_SLICES(t, ph, hh, ahead, ps)                                              \
     do {                                                                                   \
@@ -127,7 +130,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
         pkv_pfs_start(ps);                                                                 \
     } while (0)
     const int64_t nunits = (int64_t)ntiles * 2 * nh;
-    const int stream = PKV_PREFETCH_UNITS && nqh < PKV_PF_ROWS_MAX;
+    const int stream = PKV_PREFETCH_UNITS && pf > 0 && nqh < PKV_PF_ROWS_MAX;
     /* units the stream runs ahead: where it takes every unit (pfk), the CPU's choice */
     const int ahead = pfk ? pkv_pf_ahead() : 1;
     for (int64_t u0 = 0; stream && u0 < ahead && u0 < nunits; u0++) { /* the first ones, at once */

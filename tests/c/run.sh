@@ -53,7 +53,9 @@ echo "== native ($("$cc" -dumpmachine 2>/dev/null || echo "$cc"))"
 build "$cc" "$out/test_kernels"
 "$out/test_kernels" "${require[@]}" "$@"
 # the prefetch stream goes into L1 or L2, one or two units ahead, by CPU (prefetch.h): run
-# forced choices, so those this CPU does not take are tested too: into L2 two units ahead, with
+# forced choices, so those this CPU does not take are tested too, and with every decode call
+# running the stream (by default only calls of 1 MiB or more), its K units too where it goes
+# into L2 (by default calls of 4 MiB or more): into L2 two units ahead, with
 # every smaller decode call's K units prefetching their own rows into L1 (l1k, by default only
 # on Intel and for calls of 2 MiB or more), float32 and float64 decode on an AVX-512 path
 # running the AVX2 kernels (by default only calls of 8 MiB or more) and int8 values' P.V on
@@ -71,10 +73,11 @@ for loc in 2 3; do
          "$items decode item(s) a thread, l1k $l1k, AVX-512 decode on AVX2 $avx2dec, int16 P.V $pvi" \
          "(-DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead -DPKV_DECODE_ITEMS_MIN=$items" \
          "-DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_AVX2_DECODE=$avx2dec -DPKV_AVX2_DECODE_MIN_BYTES=0" \
+         "-DPKV_PF_MIN_BYTES=0 -DPKV_PF_K_MIN_BYTES=0" \
          "-DPKV_PV_INT16=$pvi)"
     build "$cc" "$out/test_kernels_pf$loc" -DPKV_PF_LOCALITY=$loc -DPKV_PF_DIST=$ahead \
         -DPKV_DECODE_ITEMS_MIN=$items -DPKV_PF_L1K=$l1k -DPKV_L1K_MIN_BYTES=0 -DPKV_AVX2_DECODE=$avx2dec \
-        -DPKV_AVX2_DECODE_MIN_BYTES=0 -DPKV_PV_INT16=$pvi
+        -DPKV_AVX2_DECODE_MIN_BYTES=0 -DPKV_PF_MIN_BYTES=0 -DPKV_PF_K_MIN_BYTES=0 -DPKV_PV_INT16=$pvi
     "$out/test_kernels_pf$loc" "${require[@]}" --trials 12 "$@"
 done
 
