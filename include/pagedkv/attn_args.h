@@ -7,6 +7,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include "types.h"
 #include "prefetch.h"
 
@@ -256,6 +257,38 @@ static inline int64_t pkv_decode_chunks(int64_t base, int64_t want, int64_t slot
  * fork/join of a parallel region costs more than it saves (~10-20 us of
  * work), and on a busy machine a descheduled worker would stall the call. */
 #define PKV_PARALLEL_MIN (1 << 21)
+
+/* Under OMP_WAIT_POLICY=passive OpenMP's workers sleep between parallel
+ * regions, and a call that needs them waits for them to wake and, at its
+ * end, to wake it.  Decode calls reading less than this many bytes of K+V
+ * then run on one thread (pkv_omp_passive).  Measured on an Intel Xeon
+ * (Emerald Rapids class VM, benchmarks/c/decode_ceiling.c, B=1, Hq=32 Hkv=8
+ * D=128, K/V in cache, two runs each, 1 against 2 threads): f32 L=256 (2 MiB)
+ * 48-79 against 73-82 us, bfloat16 L=512 (2 MiB) 88-94 against 103, int8
+ * L=1024 (2 MiB) 122-123 against 166-170; from 3 MiB the second thread pays:
+ * f32 L=384 115-118 against 95-98 us, bfloat16 L=768 142 against 129-132,
+ * int8 L=1536 187-188 against 157-160.  With OpenMP's default policy the
+ * workers spin a while after a region and the threshold does not apply. */
+#ifndef PKV_PASSIVE_PARALLEL_MIN_BYTES
+#define PKV_PASSIVE_PARALLEL_MIN_BYTES (3 << 20)
+#endif
+
+/* 1 where OMP_WAIT_POLICY says passive (as libgomp reads it: any case,
+ * blanks around it), read once: OpenMP reads it once, when it starts. */
+static inline int pkv_omp_passive(void) {
+    static int passive = -1;
+    int p = __atomic_load_n(&passive, __ATOMIC_RELAXED);
+    if (p < 0) {
+        const char *e = getenv("OMP_WAIT_POLICY"), *w = "passive";
+        p = e != NULL;
+        while (p && (*e == ' ' || *e == '\t')) e++;
+        for (; p && *w; e++, w++) p = (*e | 0x20) == *w;
+        while (p && (*e == ' ' || *e == '\t')) e++;
+        p = p && *e == '\0';
+        __atomic_store_n(&passive, p, __ATOMIC_RELAXED);
+    }
+    return p;
+}
 
 /* Bytes of one split-K partial state (m, l, acc of PKV_MAX_ROWS rows). */
 static inline size_t pkv_partial_slot_bytes(int d, size_t itemsize) {

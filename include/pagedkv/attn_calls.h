@@ -77,7 +77,8 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         return;
     }
 #endif
-    const int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
+    int nthreads = work < PKV_PARALLEL_MIN ? 1 : a->nthreads;
+    if (nthreads > 1 && kv_bytes < PKV_PASSIVE_PARALLEL_MIN_BYTES && pkv_omp_passive()) nthreads = 1;
     const int ng_max = gsz < PKV_MAX_ROWS ? gsz : PKV_MAX_ROWS;
     const int ngc = (gsz + ng_max - 1) / ng_max;
     int hpg = PKV_MAX_ROWS / ng_max;

@@ -1,4 +1,7 @@
 """Threads: the kernels release the GIL; one cache serves one call at a time (others wait)."""
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -183,6 +186,38 @@ def test_decode_plan_splits_keys_before_heads(length, plan):
     assert got == plan
     exp = ref_attention(q, k, v, 1 / np.sqrt(128), length - 1)
     np.testing.assert_allclose(out, exp, rtol=1e-5, atol=1e-5 * np.abs(v).max())
+
+
+PASSIVE_SCRIPT = """
+import numpy as np, pagedkv
+rng = np.random.default_rng(5)
+pagedkv.set_num_threads(2)
+for length in (300, 512):  # K+V 2.3 MiB and 4 MiB, both above PKV_PARALLEL_MIN's work
+    cache = pagedkv.PagedKVCache(num_blocks=40, block_size=16, num_kv_heads=8, head_dim=128)
+    sid = cache.add_sequence()
+    k = rng.standard_normal((length, 8, 128)).astype(np.float32)
+    cache.append(sid, k, -k)
+    cache.attend_batch([sid], rng.standard_normal((1, 32, 128)).astype(np.float32))
+    print("threads", length, cache.last_attention_plan[0])
+"""
+
+
+@pytest.mark.skipif(not pagedkv.has_openmp(), reason="a build without OpenMP runs one thread")
+@pytest.mark.parametrize("policy, small", [("passive", 1), (" PASSIVE\t", 1), ("passively", 2),
+                                           ("active", 2), (None, 2)])
+def test_passive_wait_policy_keeps_small_decode_calls_on_one_thread(policy, small):
+    """Under OMP_WAIT_POLICY=passive (as OpenMP reads it: any case, blanks around it) a decode
+    call of less than 3 MiB of K+V runs on one thread (waking a sleeping worker costs more than
+    it saves); a bigger one, or any call under another policy, on the threads set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    if policy == "active":
+        env["GOMP_SPINCOUNT"] = "1000"  # the idle worker need not spin until the process ends
+    proc = subprocess.run([sys.executable, "-c", PASSIVE_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["threads", "300", str(small), "threads", "512", "2"]
 
 
 def test_set_num_threads_rejects_negative():
