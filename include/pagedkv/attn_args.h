@@ -145,23 +145,23 @@ typedef struct {
     int l1k; /* their K units' own rows into L1 as the score tile walks them (pkv_pf_l1k) */
 } pkv_decode_plan;
 
-/* A decode call that reads at least this many bytes of K+V prefetches its
- * K units too where the CPU prefetches into L2 (pkv_pf_into_l2): below it
- * the data is mostly in cache, where the prefetch instructions only cost
- * (Intel Xeon, f32 B=1 L=128, 1 MiB: 7-9% slower with them). */
 /* A decode call that reads less than this many bytes of K+V runs without the
  * prefetch stream (prefetch.h): its blocks are few, the hardware prefetchers
  * follow them, and where they are in cache the stream's instructions only
  * cost.  Measured on an Intel Xeon (Emerald Rapids class, f32, Hq=32 Hkv=8
  * D=128, block size 16, benchmarks/c/decode_ceiling.c, builds alternated
- * three times, medians): called again and again, B=1 L=16 (128 KiB) 3.6 ->
- * 3.1 us and L=64 8.7 -> 7.8 us on one thread; with the pool flushed from
+ * three times, medians): called again and again, B=1 L=16 (128 KiB) 3.6-4.5
+ * -> 3.1-3.7 us and L=64 8.6-8.8 -> 7.7-8.0 us on one thread; flushed from
  * the caches before each call, L=16 to L=96 within the noise either way
  * (L=16 32-34 -> 29-35 us), L=128 (1 MiB, which keeps the stream) 2-3%
  * slower without it, L=256 13% and L=512 16% slower. */
 #ifndef PKV_PF_MIN_BYTES
 #define PKV_PF_MIN_BYTES (1 << 20)
 #endif
+/* A decode call that reads at least this many bytes of K+V prefetches its
+ * K units too where the CPU prefetches into L2 (pkv_pf_into_l2): below it
+ * the data is mostly in cache, where the prefetch instructions only cost
+ * (Intel Xeon, f32 B=1 L=128, 1 MiB: 7-9% slower with them). */
 #ifndef PKV_PF_K_MIN_BYTES /* -D overrides it (measurements) */
 #define PKV_PF_K_MIN_BYTES (4 << 20)
 #endif
