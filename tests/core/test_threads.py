@@ -205,17 +205,19 @@ for length in (300, 512):  # K+V 2.3 MiB and 4 MiB, both above PKV_PARALLEL_MIN'
 @pytest.mark.skipif(not pagedkv.has_openmp(), reason="a build without OpenMP runs one thread")
 @pytest.mark.parametrize("policy, small", [("passive", 1), (" PASSIVE\t", 1), ("passively", 2),
                                            ("active", 2), (None, 2)])
-def test_passive_wait_policy_keeps_small_decode_calls_on_one_thread(policy, small):
+def test_passive_wait_policy_keeps_small_decode_calls_on_one_thread(policy, small, tmp_path):
     """Under OMP_WAIT_POLICY=passive (as OpenMP reads it: any case, blanks around it) a decode
     call of less than 3 MiB of K+V runs on one thread (waking a sleeping worker costs more than
     it saves); a bigger one, or any call under another policy, on the threads set."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    # the pagedkv this process imported (an installed one, not the source tree's folder)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
     if policy == "active":
         env["GOMP_SPINCOUNT"] = "1000"  # the idle worker need not spin until the process ends
     proc = subprocess.run([sys.executable, "-c", PASSIVE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["threads", "300", str(small), "threads", "512", "2"]
 
