@@ -107,7 +107,10 @@ static void PKV_KFN(decode)(const pkv_attn_args *a) {
         a->plan_out[1] = hpg;
         a->plan_out[2] = nchunk;
     }
-    const int pf = kv_bytes < PKV_PF_MIN_BYTES ? 0 : pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES ? 2 : 1;
+    /* the items' prefetch stream (attend_item's pf): none in small calls, K units too in big ones */
+    const int pf = kv_bytes < PKV_PF_MIN_BYTES                             ? 0
+                   : pkv_pf_into_l2() && kv_bytes >= PKV_PF_K_MIN_BYTES ? 2
+                                                                          : 1;
     const int l1k = kv_bytes >= PKV_L1K_MIN_BYTES && pkv_pf_l1k();
     const pkv_decode_plan pl = {gsz, ng_max, ngc, hpg, ngroups, nchunk, slot_bytes, pf, l1k};
     int64_t it;
@@ -224,7 +227,8 @@ static inline void PKV_KFN(prefill_item)(const pkv_attn_args *a, const pkv_prefi
     }
     /* from the first rank the tile's first query sees: with a window, the blocks
      * before it are never read; every other item on this thread walks its
-     * tiles last to first, starting on the K/V its predecessor read last */
+     * tiles last to first, starting on the K/V its predecessor read last.
+     * pf 1: the stream of V units in items of few rows (PKV_PF_ROWS_MAX) */
     PKV_KFN(attend_item)(a, 0, h, 1, qrows, nt * ng, sc.lim, pkv_window_lo(pl->rank0 + t0, a->window),
                      pl->rank0 + t0 + nt, sc.acc, sc.m, sc.l, sc.sbuf, sc.kbuf, sc.alpha, sc.qdot, 1,
                      0, (int)((it / pl->nthreads) & 1), PKV_KFN(prefill_tile_keys)(), NULL);
