@@ -203,3 +203,31 @@ def test_overlap_probe_builds_and_reports_every_variant(tmp_path):
             assert [r[0] for r in rows] == ["read", "R=1", "R=2", "R=4", "R=8"]
             assert [int(r[1]) for r in rows] == ops[used, kind]
             assert rows[0][-3] == "100.0%"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
+def test_omp_region_probe_builds_and_times_each_case(tmp_path):
+    """benchmarks/c/omp_region.c compiles with the portable flags, times an empty
+    parallel region in its three cases under both wait policies (each part of a
+    region no longer than the region itself) and refuses fewer than 2 threads."""
+    exe = tmp_path / "omp_region"
+    src = os.path.join(ROOT, "benchmarks", "c", "omp_region.c")
+    subprocess.run(["cc", "-O1", "-std=c11", "-D_DEFAULT_SOURCE", "-fopenmp", src, "-o", str(exe)],
+                   check=True, capture_output=True, timeout=600)
+    for policy in ("passive", "active"):
+        env = dict(os.environ, OMP_WAIT_POLICY=policy)
+        proc = subprocess.run([str(exe), "2", "5"], capture_output=True, text=True, timeout=60,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"OMP_WAIT_POLICY={policy}" in proc.stdout
+        rows = [ln for ln in proc.stdout.splitlines() if "region" in ln and "caller starts" in ln]
+        assert [ln.split("region")[0].strip() for ln in rows] == [
+            "back to back", "after 200 us of work", "after 1 ms asleep"]
+        for ln in rows:
+            nums = [float(x) for x in ln.split("region")[1].replace("caller starts", " ")
+                    .replace("last worker starts", " ").replace("after it", " ").split()]
+            region, caller, worker, rest = nums
+            assert region > 0 and 0 <= caller <= region and 0 <= worker <= region
+            assert 0 <= rest <= region
+    bad = subprocess.run([str(exe), "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
