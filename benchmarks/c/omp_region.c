@@ -53,12 +53,18 @@ int main(int argc, char **argv) {
             } else if (c == 2) {
                 usleep(1000);
             }
+            int team = 1; /* the threads the runtime gave (OMP_DYNAMIC may give fewer) */
             const double t0 = now();
 #pragma omp parallel num_threads(nthreads)
-            start[omp_get_thread_num()] = now();
+            {
+                start[omp_get_thread_num()] = now();
+                if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+            }
             const double t1 = now();
+            if (team < nthreads && c == 0 && r == 0)
+                printf("  (the runtime gave only %d of the %d threads asked for)\n", team, nthreads);
             double last = start[0];
-            for (int i = 1; i < nthreads; i++)
+            for (int i = 1; i < team; i++)
                 if (start[i] > last) last = start[i];
             tot[r] = t1 - t0;
             t0s[r] = start[0] - t0;
