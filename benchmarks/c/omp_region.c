@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     static const char *const cases[3] = {"back to back", "after 200 us of work", "after 1 ms asleep"};
     volatile double sink = 0;
 #pragma omp parallel num_threads(nthreads) /* the workers exist before the first round */
-    sink += 1;
+    start[omp_get_thread_num()] = now();
     for (int c = 0; c < 3; c++) {
         for (int r = 0; r < rounds; r++) {
             if (c == 1) {
