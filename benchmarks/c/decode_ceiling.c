@@ -71,8 +71,7 @@ static void *xalloc_pool(size_t n) {
 }
 
 static void summary(const char *name, double *t, int n, double bytes, double *med_out) {
-    qsort(t, n, sizeof(double), cmp_d);
-    const double med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    const double med = median(t, n); /* t sorted */
     printf("  %-8s median %8.3f ms  %6.2f GB/s  (best %6.2f, worst %6.2f GB/s)\n", name,
            med * 1e3, bytes / med / 1e9, bytes / t[0] / 1e9, bytes / t[n - 1] / 1e9);
     *med_out = med;

@@ -1,9 +1,10 @@
 /* harness.h -- what the C benchmarks next to this file share: a wall clock,
- * a seeded generator, a comparison for qsort and a shuffled block order.
+ * a seeded generator, a comparison for qsort, a median and a shuffled block order.
  * Each program includes it once (static functions, no include guard needed
  * beyond this one). */
 #pragma once
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 /* seconds of a monotonic clock */
@@ -24,6 +25,12 @@ static uint64_t rng(void) { /* xorshift64* */
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* the median of x[0, n), n >= 1, sorting x in place */
+static double median(double *x, int n) {
+    qsort(x, n, sizeof(double), cmp_d);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 /* ids[0, n) = 0 .. n - 1 in a random order (Fisher-Yates): blocks lying

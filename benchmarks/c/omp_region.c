@@ -23,11 +23,6 @@
 
 #include "harness.h"
 
-static double median(double *x, int n) {
-    qsort(x, n, sizeof(double), cmp_d);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
-
 int main(int argc, char **argv) {
     const int nthreads = argc > 1 ? atoi(argv[1]) : 2, rounds = argc > 2 ? atoi(argv[2]) : 200;
     if (nthreads < 2 || nthreads > 256 || rounds < 1) {

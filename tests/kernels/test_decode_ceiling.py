@@ -3,6 +3,7 @@ decode loop's work split and prefetching against 1 thread and the reference,
 and the C harness benchmarks/c/decode_ceiling.c."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -224,9 +225,7 @@ def test_omp_region_probe_builds_and_times_each_case(tmp_path):
         assert [ln.split("region")[0].strip() for ln in rows] == [
             "back to back", "after 200 us of work", "after 1 ms asleep"]
         for ln in rows:
-            nums = [float(x) for x in ln.split("region")[1].replace("caller starts", " ")
-                    .replace("last worker starts", " ").replace("after it", " ").split()]
-            region, caller, worker, rest = nums
+            region, caller, worker, rest = map(float, re.findall(r"\d+\.\d+", ln))
             assert region > 0 and 0 <= caller <= region and 0 <= worker <= region
             assert 0 <= rest <= region
     bad = subprocess.run([str(exe), "1"], capture_output=True, text=True, timeout=60)
