@@ -7,6 +7,25 @@
  * PKV_STORE_SCALED: there): no include guard.
  */
 
+/* The only tile's weights of head hh divided by their rows' softmax sums,
+ * which are final then (attend_item's out) */
+static inline void PKV_KFN(scale_rows)(const pkv_attn_args *a, PKV_T *sh, int ldc, int na, int nk,
+                                       const double *m, const double *l, int h0, int hh, int nqh) {
+    for (int r = 0; r < na; r++)
+        PKV_FN(scale_row)(sh + (size_t)r * ldc, nk,
+                          PKV_FN(inv_denominator)(a, h0 + hh, r, l[hh * nqh + r], m[hh * nqh + r]));
+}
+
+/* The softmax step of head hh's rows over the tile's scores sh (and, where
+ * scale, the division by the sums of attend_item's only tile) */
+static inline void PKV_KFN(head_softmax)(const pkv_attn_args *a, PKV_T *sh, int ldc, const int *rows, int na,
+                                         const int64_t *lim, int64_t tile_r0, int nk, double *m, double *l,
+                                         PKV_T *alpha, int h0, int hh, int nqh, int scale) {
+    PKV_KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window, (PKV_T)a->scale, (PKV_T)a->softcap,
+                          m + (size_t)hh * nqh, l + (size_t)hh * nqh, alpha + hh * na);
+    if (scale) PKV_KFN(scale_rows)(a, sh, ldc, na, nk, m, l, h0, hh, nqh);
+}
+
 /* One work item: kv heads [h0, h0 + nh) of sequence s against their query
  * rows over held ranks [rbeg, rend).  Rows are laid out head-major: head hh
  * owns rows [hh * nqh, (hh + 1) * nqh) of q / acc / m / l, and row i of every
@@ -16,7 +35,8 @@
  * taken a tile of tk keys at a time (PKV_DECODE_TILE_KEYS or
  * PKV_PREFILL_TILE_KEYS, attn_args.h): for each head of the item,
  * scores of its rows against the tile's keys (K of the tile's blocks) and
- * one softmax step; then for each head P.V (V of the tile's blocks).  Each
+ * one softmax step (of all heads' rows at once where every row sees the
+ * whole tile); then for each head P.V (V of the tile's blocks).  Each
  * (phase, head) is a unit of the prefetch stream (prefetch.h).  pf: 0 no
  * stream (small decode calls, PKV_PF_MIN_BYTES); 1 V units prefetch the next
  * unit; 2 K units too (decode out of memory, where the stream goes into L2).
@@ -169,6 +189,16 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
             if (lim[i] >= tile_r0 && pkv_window_lo(lim[i], a->window) < tile_r0 + nk) rows[na++] = i;
         if (na < nqh) out = NULL; /* a row this tile does not reach: acc it is */
         if (na == 0) continue;
+        /* joint: the softmax step of every head's rows at once, after the
+         * tile's K units, where every row of the item sees the whole tile
+         * (no softcap, a positive scale): the heads' rows lie one after
+         * another in sbuf, alpha, m and l, so softmax_full takes them as
+         * one run of nh * na rows instead of one call per head (decode of a
+         * GQA group: one vector exp for the rescale factors of four heads'
+         * rows instead of four, and the rows' chains side by side) */
+        int joint = na == nqh && nh * na <= PKV_MAX_ROWS && !((PKV_T)a->softcap > 0) && (PKV_T)a->scale > 0;
+        for (int r = 0; joint && r < na; r++)
+            joint = lim[r] - tile_r0 + 1 >= nk && pkv_window_lo(lim[r], a->window) <= tile_r0;
 #if PKV_STORE_SCALED
         const int tn = reverse ? t - 1 : t + 1;
         /* the next tile's scales (the streams fetch the values), in one burst
@@ -262,14 +292,8 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                             PKV_KFN(narrow_scores)(qh, rows, na, runs[u].k, runs[u].ksc, (size_t)bs,
                                                runs[u].off, runs[u].n, runs[u].col, d, sh, ldc);
                     }
-                    PKV_KFN(tile_softmax)(sh, ldc, rows, na, lim, tile_r0, nk, a->window,
-                                      (PKV_T)a->scale, (PKV_T)a->softcap, m + (size_t)hh * nqh, l + (size_t)hh * nqh,
-                                      alpha + hh * na);
-                    if (out) /* the only tile: its sums are the rows' denominators */
-                        for (int r = 0; r < na; r++)
-                            PKV_FN(scale_row)(sh + (size_t)r * ldc, nk,
-                                              PKV_FN(inv_denominator)(a, h0 + hh, r, l[hh * nqh + r],
-                                                                      m[hh * nqh + r]));
+                    if (!joint) PKV_KFN(head_softmax)(a, sh, ldc, rows, na, lim, tile_r0, nk, m, l, alpha,
+                                                      h0, hh, nqh, out != NULL);
                 } else if (widen) {
                     PKV_T *vw = kbuf + (size_t)(d + 15) / 16 * 16; /* after tile_values' spare row */
                     PKV_KFN(widen_values)(vw, runs, cnt, d);
@@ -281,6 +305,20 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                                      alpha + hh * na, runs, cnt, (size_t)bs, d, kbuf, ps);
                 }
                 if (ps) pkv_pfs_finish(ps);
+            }
+            if (ph == 0 && joint) {
+                int all[PKV_MAX_ROWS];
+                for (int r = 0; r < nh * na; r++) all[r] = r;
+                const int done = nk == PKV_DECODE_TILE_KEYS
+                                     ? PKV_KFN(softmax_full)(sbuf, ldc, all, nh * na, PKV_DECODE_TILE_KEYS,
+                                                             (PKV_T)a->scale, m, l, alpha)
+                                     : PKV_KFN(softmax_full)(sbuf, ldc, all, nh * na, nk, (PKV_T)a->scale, m, l, alpha);
+                for (int hh = 0; hh < nh; hh++) {
+                    PKV_T *sh = sbuf + (size_t)hh * na * ldc;
+                    if (!done) /* a NaN or infinite score somewhere: each head on its own */
+                        PKV_KFN(head_softmax)(a, sh, ldc, rows, na, lim, tile_r0, nk, m, l, alpha, h0, hh, nqh, 0);
+                    if (out) PKV_KFN(scale_rows)(a, sh, ldc, na, nk, m, l, h0, hh, nqh);
+                }
             }
         }
     }

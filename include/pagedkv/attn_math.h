@@ -149,18 +149,24 @@ static inline PKV_T PKV_FN(sexp)(PKV_T x) {
     return P * PKV_FN(pow2i)(k);
 }
 
-/* x[j] = exp(x[j]) for j < n, in place (the softmax's rescale factors) */
+/* x[j] = exp(x[j]) for j < n, in place (the softmax's rescale factors).
+ * Every value goes through the vector exp, the tail too, so a value's
+ * result does not depend on where it lies in x: attend_item takes the rows
+ * of all its heads at once or one head at a time, with the same bits. */
 static inline void PKV_FN(exp_inplace)(PKV_T *x, int n) {
     int j = 0;
     for (; j + PKV_W <= n; j += PKV_W) PKV_VSTORE(x + j, PKV_FN(vexp)(PKV_VLOAD(x + j)));
-#ifdef PKV_VLOADN /* the tail in one masked vector (exp_tail_note) */
     if (j < n) {
+#ifdef PKV_VLOADN /* the tail in one masked vector (exp_tail_note) */
         const PKV_VEC t = PKV_VLOADN(x + j, n - j);
         PKV_VSTOREN(x + j, PKV_VKEEPNAN(PKV_FN(vexp)(t), t), n - j);
-    }
-#else
-    for (; j < n; j++) x[j] = PKV_FN(sexp)(x[j]);
+#else /* through a vector's worth of scratch; a NaN stays NaN */
+        PKV_T t[PKV_W] = {0};
+        for (int i = 0; i < n - j; i++) t[i] = x[j + i];
+        PKV_VSTORE(t, PKV_FN(vexp)(PKV_VLOAD(t)));
+        for (int i = 0; i < n - j; i++) x[j + i] = x[j + i] == x[j + i] ? t[i] : x[j + i];
 #endif
+    }
 }
 
 static inline PKV_VEC PKV_FN(vexp2)(PKV_VEC x) {
