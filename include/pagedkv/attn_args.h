@@ -130,6 +130,11 @@ static inline int64_t pkv_window_lo(int64_t last, int64_t window) {
     return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
 }
 
+/* Whether a query at rank `last` sees every one of the n keys at ranks r .. r + n - 1. */
+static inline int pkv_sees_all(int64_t last, int64_t window, int64_t r, int n) {
+    return last - r + 1 >= n && pkv_window_lo(last, window) <= r;
+}
+
 /* Keys a decode query (at the newest held rank) sees. */
 static inline int64_t pkv_decode_visible(const pkv_segs *sg, int64_t window) {
     const int64_t held = (sg->a1 - sg->a0) + (sg->b1 - sg->b0);

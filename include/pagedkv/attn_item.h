@@ -123,6 +123,8 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
     const int ntiles = (int)((nent + tb - 1) / tb);
     if (ntiles != 1) out = NULL;
     int rows[PKV_MAX_ROWS];
+    int all_rows[PKV_MAX_ROWS]; /* 0, 1, ...: every head's rows, for the joint softmax step */
+    for (int i = 0; i < nq && i < PKV_MAX_ROWS; i++) all_rows[i] = i;
     PKV_KFN(run_t) runs[PKV_TILE_KEYS];
     int64_t bidx[PKV_TILE_KEYS];
     /* prefetch stream of the unit after the one being read; unit
@@ -196,9 +198,8 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
          * one run of nh * na rows instead of one call per head (decode of a
          * GQA group: one vector exp for the rescale factors of four heads'
          * rows instead of four, and the rows' chains side by side) */
-        int joint = na == nqh && nh * na <= PKV_MAX_ROWS && !((PKV_T)a->softcap > 0) && (PKV_T)a->scale > 0;
-        for (int r = 0; joint && r < na; r++)
-            joint = lim[r] - tile_r0 + 1 >= nk && pkv_window_lo(lim[r], a->window) <= tile_r0;
+        int joint = na == nqh && nq <= PKV_MAX_ROWS && !((PKV_T)a->softcap > 0) && (PKV_T)a->scale > 0;
+        for (int r = 0; joint && r < na; r++) joint = pkv_sees_all(lim[r], a->window, tile_r0, nk);
 #if PKV_STORE_SCALED
         const int tn = reverse ? t - 1 : t + 1;
         /* the next tile's scales (the streams fetch the values), in one burst
@@ -307,12 +308,7 @@ static int PKV_KFN(attend_item)(const pkv_attn_args *a, int64_t s, int h0, int n
                 if (ps) pkv_pfs_finish(ps);
             }
             if (ph == 0 && joint) {
-                int all[PKV_MAX_ROWS];
-                for (int r = 0; r < nh * na; r++) all[r] = r;
-                const int done = nk == PKV_DECODE_TILE_KEYS
-                                     ? PKV_KFN(softmax_full)(sbuf, ldc, all, nh * na, PKV_DECODE_TILE_KEYS,
-                                                             (PKV_T)a->scale, m, l, alpha)
-                                     : PKV_KFN(softmax_full)(sbuf, ldc, all, nh * na, nk, (PKV_T)a->scale, m, l, alpha);
+                const int done = PKV_KFN(softmax_whole)(sbuf, ldc, all_rows, nq, nk, (PKV_T)a->scale, m, l, alpha);
                 for (int hh = 0; hh < nh; hh++) {
                     PKV_T *sh = sbuf + (size_t)hh * na * ldc;
                     if (!done) /* a NaN or infinite score somewhere: each head on its own */

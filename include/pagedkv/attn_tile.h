@@ -782,6 +782,14 @@ static inline int PKV_KFN(softmax_full)(PKV_T *restrict s, int ldc, const int *r
     return 1;
 }
 
+/* softmax_full with a whole tile's n as a constant (fixed trip counts once inlined) */
+static inline int PKV_KFN(softmax_whole)(PKV_T *restrict s, int ldc, const int *rows, int na, int n,
+                                         PKV_T c, double *m, double *l, PKV_T *restrict alpha) {
+    return n == PKV_DECODE_TILE_KEYS    ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_DECODE_TILE_KEYS, c, m, l, alpha)
+           : n == PKV_PREFILL_TILE_KEYS ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_PREFILL_TILE_KEYS, c, m, l, alpha)
+                                        : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha);
+}
+
 /* Softmax step of rows[0, na) (one head) over the tile's scores s [na][ldc]
  * (n columns at ranks r, r + 1, ...), query . key not yet multiplied by the
  * softmax scale.  Row i sees ranks (lim[i] - window, lim[i]] (window 0:
@@ -803,15 +811,8 @@ static inline void PKV_KFN(tile_softmax)(PKV_T *restrict s, int ldc, const int *
     const PKV_T c = prescale ? (PKV_T)1 : scale; /* the scale still to apply */
     if (!prescale) {
         int full = 1; /* every row sees every column */
-        for (int a = 0; a < na; a++)
-            full &= lim[rows[a]] - r + 1 >= n && pkv_window_lo(lim[rows[a]], window) <= r;
-        /* a whole tile calls it with a constant n (fixed trip counts once inlined) */
-        if (full && (n == PKV_DECODE_TILE_KEYS
-                         ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_DECODE_TILE_KEYS, c, m, l, alpha)
-                     : n == PKV_PREFILL_TILE_KEYS
-                         ? PKV_KFN(softmax_full)(s, ldc, rows, na, PKV_PREFILL_TILE_KEYS, c, m, l, alpha)
-                         : PKV_KFN(softmax_full)(s, ldc, rows, na, n, c, m, l, alpha)))
-            return;
+        for (int a = 0; a < na; a++) full &= pkv_sees_all(lim[rows[a]], window, r, n);
+        if (full && PKV_KFN(softmax_whole)(s, ldc, rows, na, n, c, m, l, alpha)) return;
     }
     /* in three passes over the rows, so that no row waits on another's scalar
      * chains: each row's visible columns [st, cnt) and new running max, the
