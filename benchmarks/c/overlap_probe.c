@@ -15,6 +15,24 @@
  *   bf16 R     each loaded vector of bfloat16 widened to two of float32 by
  *              a shift and a mask, then R FMAs per vector
  *
+ * and, in its own mode (i8), the integer products of int8 decode for a GQA
+ * group of 4 query heads (AVX-512 + VNNI only), in the layouts the kernels
+ * read now and in the layouts that would spare them their shuffles:
+ *
+ *   now        K^T lines (4 dimensions x 16 keys) transposed in registers
+ *              into one key's 4 dimensions per lane and offset (attn_dot.h's
+ *              kquad: vpermd, vpshufb, vpxord), then 4 vpdpbusd; V rows of
+ *              two keys byte-interleaved and sign-extended into int16 pairs
+ *              (vpunpck{l,h}bw, vpmovsxbw; attn_pvdot.h), then 4 vpdpwssd per
+ *              pair vector
+ *   Kquad      K stored as the dot product takes it (4 dimensions of a key
+ *              per 32-bit lane, offset): 4 vpdpbusd per line, nothing else
+ *   Vpair      V stored as two keys' values interleaved per dimension: one
+ *              vpmovsxbw per 32 bytes, then the vpdpwssd
+ *   both       Kquad and Vpair
+ *
+ * The scales and the softmax are left out: either layout does them alike.
+ *
  * on 512-bit vectors where the CPU has AVX-512 F, else (or with
  * PKV_PROBE_ISA=avx2) on 256-bit ones with AVX2 and FMA; FMAs into 16 (12
  * with AVX2) independent accumulators, the multiplier in a register: no
@@ -36,9 +54,10 @@
  * blocks shuffled, huge pages as the library allocates them (alloc.h).
  *
  *   cc -O3 -std=c11 -D_DEFAULT_SOURCE -Wall -Iinclude benchmarks/c/overlap_probe.c -o overlap_probe
- *   ./overlap_probe f32|bf16 B L rounds
+ *   ./overlap_probe f32|bf16|i8 B L rounds
  *
- * x86-64 with AVX-512 F or AVX2 + FMA (it says so and exits elsewhere).
+ * x86-64 with AVX-512 F or AVX2 + FMA; i8 with AVX-512 BW + VNNI (it says so
+ * and exits elsewhere).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -182,9 +201,80 @@ READS(256)
 VARIANTS(512)
 VARIANTS(256)
 
+/* The int8 mode (AVX-512 + VNNI).  Each instruction as written: with the
+ * intrinsics GCC copied accumulators around the dot products (attn_dot.h). */
+#define I8_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni")))
+#define DPBUSD(acc, k, b) ((acc) = _mm512_dpbusd_epi32((acc), (k), (b)))
+#define DPWSSD(acc, x, w) ((acc) = _mm512_dpwssd_epi32((acc), (x), (w)))
+
+/* a K^T line of 4 dimensions x 16 keys as the kernels turn it for vpdpbusd:
+ * lane j = key j's 4 dimensions, top bits flipped (attn_dot.h, kquad) */
+I8_TARGET static inline __m512i kquad_now(__m512i x) {
+    const __m512i didx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512i bidx = _mm512_set4_epi32(0x0F0B0703, 0x0E0A0602, 0x0D090501, 0x0C080400);
+    x = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(didx, x), bidx);
+    return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
+}
+
+/* One int8 variant: each block's K plane (every line: 4 vpdpbusd, after
+ * kquad_now unless KQ), then its V plane (VP: every 32 bytes one vpmovsxbw
+ * and 4 vpdpwssd; else the two keys of a 256-byte group (D = 128: a key is
+ * two lines) interleaved as the kernel does, 4 vpdpwssd per vector), into
+ * 16 accumulators; the four query rows' operands in registers; the prefetch
+ * as in PASS */
+#define I8PASS(name, KQ, VP)                                                                \
+    I8_TARGET static double p_i8_##name(const pattern *p) {                                  \
+        __m512i acc[16];                                                                    \
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_si512();                       \
+        __m512i q[4];                                                                       \
+        for (int r = 0; r < 4; r++) q[r] = _mm512_set1_epi32(0x01020304 * (r + 1));         \
+        for (int64_t b = 0; b < p->nblk; b++) {                                             \
+            const char *s = p->pool + (size_t)p->order[b] * 2 * p->plane;                   \
+            const int64_t bf_ = b + p->ahead < p->nblk ? b + p->ahead : b;                 \
+            const char *f = p->pool + (size_t)p->order[bf_] * 2 * p->plane;                 \
+            for (size_t i = 0; i < p->plane; i += 256) {                                    \
+                if (p->ahead)                                                               \
+                    for (int l = 0; l < 4; l++) _mm_prefetch(f + i + 64 * l, _MM_HINT_T1);  \
+                _Pragma("GCC unroll 4") for (int l = 0; l < 4; l++) {                       \
+                    __m512i x = _mm512_loadu_si512((const void *)(s + i + 64 * l));         \
+                    if (!(KQ)) x = kquad_now(x);                                            \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) DPBUSD(acc[4 * l + r], x, q[r]);            \
+                }                                                                           \
+            }                                                                               \
+            for (size_t i = p->plane; i < 2 * p->plane; i += 256) {                         \
+                if (p->ahead)                                                               \
+                    for (int l = 0; l < 4; l++) _mm_prefetch(f + i + 64 * l, _MM_HINT_T1);  \
+                __m512i x[8];                                                               \
+                if (VP) {                                                                   \
+                    _Pragma("GCC unroll 8") for (int h = 0; h < 8; h++)                     \
+                        x[h] = _mm512_cvtepi8_epi16(                                        \
+                            _mm256_loadu_si256((const __m256i *)(s + i + 32 * h)));         \
+                } else {                                                                    \
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) { /* key 0's 32 bytes h, key 1's */          \
+                        const __m256i a = _mm256_loadu_si256((const __m256i *)(s + i + 32 * h));        \
+                        const __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 128 + 32 * h));  \
+                        x[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, c));       \
+                        x[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, c));   \
+                    }                                                                       \
+                }                                                                           \
+                /* 8 vectors of 16 dimensions x 2 keys: 32 vpdpwssd */                     \
+                _Pragma("GCC unroll 8") for (int h = 0; h < 8; h++)                         \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) DPWSSD(acc[(4 * h + r) % 16], x[h], q[r]); \
+            }                                                                               \
+        }                                                                                   \
+        __m512i t = acc[0];                                                                 \
+        for (int j = 1; j < 16; j++) t = _mm512_add_epi32(t, acc[j]);                       \
+        return (double)_mm512_reduce_add_epi32(t);                                          \
+    }
+I8PASS(now, 0, 0)
+I8PASS(kquad, 1, 0)
+I8PASS(vpair, 0, 1)
+I8PASS(both, 1, 1)
+I8_TARGET static double p_i8_read(const pattern *p) { return p512_read(p); }
+
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s f32|bf16 B L rounds\n", argv[0]);
+        fprintf(stderr, "usage: %s f32|bf16|i8 B L rounds\n", argv[0]);
         return 2;
     }
     /* AVX-512 where the CPU has it (PKV_PROBE_ISA=avx2 asks for AVX2), else AVX2 */
@@ -194,7 +284,12 @@ int main(int argc, char **argv) {
         printf("overlap_probe: this CPU has neither AVX-512 F nor AVX2 with FMA; nothing measured\n");
         return 0;
     }
-    const int bf = !strcmp(argv[1], "bf16");
+    const int bf = !strcmp(argv[1], "bf16"), i8 = !strcmp(argv[1], "i8");
+    if (i8 && !(w512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))) {
+        printf("overlap_probe: i8 needs AVX-512 BW and VNNI, which this CPU (or PKV_PROBE_ISA) lacks; "
+               "nothing measured\n");
+        return 0;
+    }
     const int64_t B = atoll(argv[2]), L = atoll(argv[3]);
     const int rounds = atoi(argv[4]);
     const int hkv = 8, d = 128, bs = 16;
@@ -202,7 +297,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
-    const size_t item = bf ? 2 : 4, plane = (size_t)hkv * bs * d * item;
+    const size_t item = i8 ? 1 : bf ? 2 : 4, plane = (size_t)hkv * bs * d * item;
     const int64_t nblk = B * ((L + bs - 1) / bs);
     void *raw;
     char *pool = pkv_alloc((size_t)nblk * 2 * plane, &raw);
@@ -211,7 +306,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "out of memory\n");
         return 1;
     }
-    for (size_t j = 0; j < (size_t)nblk * 2 * plane / 2; j++) /* small values: bfloat16 or float */
+    for (size_t j = 0; j < (size_t)nblk * 2 * plane / 2; j++) /* small values: bfloat16 or float; int8: any */
         ((uint16_t *)pool)[j] = (uint16_t)(0x3c00 + (rng() & 0xff));
     shuffled_ids(order, nblk);
     const char *pe = getenv("PKV_PROBE_AHEAD");
@@ -226,11 +321,13 @@ int main(int argc, char **argv) {
     }
     typedef double (*pass_fn)(const pattern *);
     const char *names[5] = {"read", "R=1", "R=2", "R=4", "R=8"};
+    const char *names8[5] = {"read", "now", "Kquad", "Vpair", "both"};
+    const pass_fn fi8[5] = {p_i8_read, p_i8_now, p_i8_kquad, p_i8_vpair, p_i8_both};
     const pass_fn f512[2][5] = {{p512_read, p512_f32_1, p512_f32_2, p512_f32_4, p512_f32_8},
                                 {p512_read, p512_bf16_1, p512_bf16_2, p512_bf16_4, p512_bf16_8}};
     const pass_fn f256[2][5] = {{p256_read, p256_f32_1, p256_f32_2, p256_f32_4, p256_f32_8},
                                 {p256_read, p256_bf16_1, p256_bf16_2, p256_bf16_4, p256_bf16_8}};
-    const pass_fn *fns = w512 ? f512[bf] : f256[bf];
+    const pass_fn *fns = i8 ? fi8 : w512 ? f512[bf] : f256[bf];
     double (*flush_read)(const char *, size_t) = w512 ? flush512 : flush256;
     double *t = calloc((size_t)5 * rounds, sizeof(double)), *rel = calloc((size_t)rounds, sizeof(double));
     double *srt = calloc((size_t)rounds, sizeof(double));
@@ -254,8 +351,19 @@ int main(int argc, char **argv) {
         memcpy(srt, t + v * rounds, sizeof(double) * rounds);
         qsort(srt, rounds, sizeof(double), cmp_d);
         const double med = srt[rounds / 2];
+        const double vals = bytes / item;
+        if (i8) {
+            /* vector instructions per 64-byte line, the mean of a K line
+             * (now 3 + 4, Kquad 4) and a V line (now 4 + 8, Vpair 2 + 8); 4
+             * products per value (the four query rows) */
+            static const double ops8[5] = {0, 9.5, 8, 8.5, 7};
+            printf("  %-5s %4.1f ops/line %8.3f ms  %6.2f GB/s  %6.1f G products/s  %5.1f%% of read\n",
+                   names8[v], ops8[v], med * 1e3, bytes / med / 1e9, v ? 4 * vals / med / 1e9 : 0.0,
+                   100.0 * rel[rounds / 2]);
+            continue;
+        }
         /* FMA lanes per second: R per value */
-        const double vals = bytes / item, fmas = v ? vals * (1 << (v - 1)) : 0;
+        const double fmas = v ? vals * (1 << (v - 1)) : 0;
         /* instructions on the vector ALU ports per 64-byte line: R FMAs per
          * vector of values, and bfloat16's shift and mask per loaded vector
          * (AVX-512: 1 vector of 64 bytes, 16 lanes; AVX2: 2 of 32, 8 lanes) */

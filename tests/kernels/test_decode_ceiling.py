@@ -182,8 +182,9 @@ def test_overlap_probe_builds_and_reports_every_variant(tmp_path):
     """benchmarks/c/overlap_probe.c compiles with the portable flags and, on a
     CPU with AVX-512 F or AVX2 + FMA, reports the read and the four
     arithmetic loads with their vector instructions per line, on 512-bit
-    vectors and (asked for, or without AVX-512) on 256-bit ones; elsewhere
-    it says it measured nothing."""
+    vectors and (asked for, or without AVX-512) on 256-bit ones, and with
+    AVX-512 + VNNI int8's integer products in four layouts; elsewhere it says
+    it measured nothing."""
     exe = tmp_path / "overlap_probe"
     src = os.path.join(ROOT, "benchmarks", "c", "overlap_probe.c")
     subprocess.run(["cc", "-O1", "-std=c11", "-D_DEFAULT_SOURCE", "-I" + os.path.join(ROOT, "include"),
@@ -204,6 +205,14 @@ def test_overlap_probe_builds_and_reports_every_variant(tmp_path):
             assert [r[0] for r in rows] == ["read", "R=1", "R=2", "R=4", "R=8"]
             assert [int(r[1]) for r in rows] == ops[used, kind]
             assert rows[0][-3] == "100.0%"
+    # int8's integer products in the kernels' layouts and the shuffle-free ones (AVX-512 + VNNI)
+    proc = subprocess.run([str(exe), "i8", "2", "100", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    if "nothing measured" not in proc.stdout:
+        rows = [ln.split() for ln in proc.stdout.splitlines() if "of read" in ln]
+        assert [r[0] for r in rows] == ["read", "now", "Kquad", "Vpair", "both"]
+        assert [float(r[1]) for r in rows] == [0.0, 9.5, 8.0, 8.5, 7.0]
+        assert rows[0][-3] == "100.0%" and all(float(r[-3].rstrip("%")) > 0 for r in rows)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the probe")
