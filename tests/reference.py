@@ -141,8 +141,8 @@ def weights_tol(cache):
     if cache is None or not getattr(cache, "quantizes_weights", False):
         return 0.0
     bs = cache.block_size
-    # PKV_DECODE_TILE_KEYS = 64 (attn_args.h), also int8 storage's prefill tile
-    tile = bs if bs >= 64 else (64 // bs) * bs
+    # decode's tile there: PKV_I16_TILE_KEYS = 128 (attn_args.h); int8 storage's prefill tile: 64
+    tile = bs if bs >= 128 else (128 // bs) * bs
     return tile / 65534.0
 
 

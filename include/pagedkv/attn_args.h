@@ -47,8 +47,12 @@ typedef struct {
  * the scratch; prefetch.h's stream holds one tile's blocks. */
 #define PKV_DECODE_TILE_KEYS 64
 #define PKV_PREFILL_TILE_KEYS 128
+/* Decode's tile where P.V of int8 values rounds the weights to int16
+ * (attn_tile.h: decode_tile_keys) */
+#define PKV_I16_TILE_KEYS 128
 #define PKV_TILE_KEYS \
     (PKV_DECODE_TILE_KEYS > PKV_PREFILL_TILE_KEYS ? PKV_DECODE_TILE_KEYS : PKV_PREFILL_TILE_KEYS)
+_Static_assert(PKV_I16_TILE_KEYS <= PKV_TILE_KEYS, "PKV_TILE_KEYS sizes every tile's arrays");
 _Static_assert(PKV_TILE_KEYS <= (int)(sizeof(((pkv_pfs *)0)->p) / sizeof(char *)),
                "a tile's blocks must fit the prefetch stream (prefetch.h)");
 /* 0 turns the kernels' software prefetch off (for measurements) */
