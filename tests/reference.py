@@ -141,7 +141,7 @@ def weights_tol(cache):
     if cache is None or not getattr(cache, "quantizes_weights", False):
         return 0.0
     bs = cache.block_size
-    # decode's tile there: PKV_I16_TILE_KEYS = 128 (attn_args.h); int8 storage's prefill tile: 64
+    # the tile there, decode's and prefill's: PKV_I16_TILE_KEYS = 128 (attn_args.h)
     tile = bs if bs >= 128 else (128 // bs) * bs
     return tile / 65534.0
 

@@ -47,8 +47,8 @@ typedef struct {
  * the scratch; prefetch.h's stream holds one tile's blocks. */
 #define PKV_DECODE_TILE_KEYS 64
 #define PKV_PREFILL_TILE_KEYS 128
-/* Decode's tile where P.V of int8 values rounds the weights to int16
- * (attn_tile.h: decode_tile_keys) */
+/* Decode's tile, and int8 storage's prefill tile, where P.V of int8 values
+ * rounds the weights to int16 (attn_tile.h: tile_keys) */
 #define PKV_I16_TILE_KEYS 128
 #define PKV_TILE_KEYS \
     (PKV_DECODE_TILE_KEYS > PKV_PREFILL_TILE_KEYS ? PKV_DECODE_TILE_KEYS : PKV_PREFILL_TILE_KEYS)

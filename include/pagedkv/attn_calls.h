@@ -34,7 +34,7 @@ static inline void PKV_KFN(decode_item)(const pkv_attn_args *a, const pkv_decode
     const int done = PKV_KFN(attend_item)(a, b, h0, nh, qrows, ng, sc.lim, lo + vis * c / nchunk,
                                           lo + vis * (c + 1) / nchunk, sc.acc, sc.m, sc.l, sc.sbuf,
                                           sc.kbuf, sc.alpha, sc.qdot, pl->pf, pl->l1k, 0,
-                                          PKV_KFN(decode_tile_keys)(), orows);
+                                          PKV_KFN(tile_keys)(), orows);
     if (done) {
         if (a->qo16) PKV_FN(store_out)(a, h0, nh, b, 1, g0, ng, sc.acc, NULL, NULL);
     } else if (nchunk == 1) {
@@ -194,18 +194,17 @@ static inline void PKV_KFN(prefetch_rows)(const pkv_attn_args *a, const char *ba
 /* Keys per prefill tile (attn_args.h): the longer tile where the register
  * tiles are 4 key vectors wide (32 vector registers: AVX-512, NEON).  On the
  * AVX2 kernels (forced on an Intel Xeon, f32 L=2048, one thread, alternated
- * processes) 128 keys were slower: 66.5 -> 63.8 useful GFLOP/s.  int8 storage
- * keeps PKV_DECODE_TILE_KEYS (64): where P.V rounds the weights to int16
- * (attn_pvdot.h) it does so per tile, with an error bound of (keys of a tile)
- * / 65534 of max |v| (decode takes PKV_I16_TILE_KEYS there: attn_tile.h,
- * decode_tile_keys); not yet measured with the longer tile.  So
- * do the bfloat16 dot-product and AMX scores (attn_bf16dot.h, attn_amx.h):
- * not yet measured with the longer tile. */
+ * processes) 128 keys were slower: 66.5 -> 63.8 useful GFLOP/s.  Storage
+ * with scales (int8) takes decode's tile (attn_tile.h: tile_keys): where P.V
+ * rounds the weights to int16 (attn_pvdot.h) it does so per tile, with an
+ * error bound of (keys of a tile) / 65534 of max |v|.  So do the bfloat16
+ * dot-product and AMX scores (attn_bf16dot.h, attn_amx.h): not yet measured
+ * with the longer tile. */
 static inline int PKV_KFN(prefill_tile_keys)(void) {
 #if PKV_SC_NV == 4 && !PKV_STORE_SCALED && !PKV_BF16_DOT && !PKV_BF16_AMX
     return PKV_PREFILL_TILE_KEYS;
 #else
-    return PKV_DECODE_TILE_KEYS;
+    return PKV_KFN(tile_keys)();
 #endif
 }
 

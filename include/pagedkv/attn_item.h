@@ -33,7 +33,7 @@ static inline void PKV_KFN(head_softmax)(const pkv_attn_args *a, PKV_T *sh, int 
  *
  * The item's blocks (each with the run of held slots it contributes) are
  * taken a tile of tk keys at a time (attn_args.h: PKV_DECODE_TILE_KEYS, or
- * PKV_I16_TILE_KEYS where decode rounds the weights to int16, or
+ * PKV_I16_TILE_KEYS where P.V rounds the weights to int16, or
  * PKV_PREFILL_TILE_KEYS): for each head of the item,
  * scores of its rows against the tile's keys (K of the tile's blocks) and
  * one softmax step (of all heads' rows at once where every row sees the

@@ -591,20 +591,24 @@ static inline void PKV_KFN(tile_values)(PKV_T *restrict acc, const int *rows, in
         PKV_KFN(values_scalar)(y[r], al[r], pr[r], runs, nr, bs, d, i, d);
 }
 
-/* Keys per decode tile (attn_args.h): PKV_I16_TILE_KEYS where P.V of int8
- * values rounds the weights to int16 (values_i16), else PKV_DECODE_TILE_KEYS.
- * values_i16 does per tile and head what the float path does not: the rows'
- * and the value scales' maxima, the weights rounded into int16, the int32
- * sums converted and scaled; perf put more than half of int8 decode's time
- * in values_i16 with K/V in L2, and there its inner loop only about half of
- * that (benchmarks/c/overlap_probe.c i8: that loop's instructions alone
- * keep up with the read).  On an Intel Xeon (Emerald Rapids class,
- * avx512vnni; decode_ceiling i8, builds alternated three times) 128 keys
- * against 64: B=1 L=455 (K/V in L2) 51.1-52.9 -> 47.5-49.5 ms a round, B=8
- * L=2048 42.8-43.2 -> 40.8-41.4 (one thread), 23.3-24.6 -> 22.3-22.9 (two);
- * the other storages and paths, 128 against 64, measured no faster
+/* Keys per tile of decode, and of prefill where it takes decode's tile
+ * (attn_calls.h: prefill_tile_keys): PKV_I16_TILE_KEYS (attn_args.h) where
+ * P.V of int8 values rounds the weights to int16 (values_i16), else
+ * PKV_DECODE_TILE_KEYS.  values_i16 does per tile and head what the float
+ * path does not: the rows' and the value scales' maxima, the weights
+ * rounded into int16, the int32 sums converted and scaled; perf put more
+ * than half of int8 decode's time in values_i16 with K/V in L2, and there
+ * its inner loop only about half of that (benchmarks/c/overlap_probe.c i8:
+ * that loop's instructions alone keep up with the read).  On an Intel Xeon
+ * (Emerald Rapids class, avx512vnni), 128 keys against 64, builds
+ * alternated three times: decode_ceiling i8, B=1 L=455 (K/V in L2)
+ * 51.0-52.8 -> 48.8-51.1 ms a round, B=8 L=2048 42.8-44.0 -> 40.9-41.3 ms
+ * (one thread), 22.9-23.5 -> 21.9-22.2 ms (two); causal prefill over int8
+ * storage through Python (medians of 5-15 calls), L=2048 209-211 -> 197-199
+ * ms (one thread), 112-113 -> 103 ms (two), L=512 14.9-15.9 -> 14.1-14.2 ms.
+ * The other storages' decode, 128 keys against 64, measured no faster
  * (float32 slower, attn_args.h). */
-static inline int PKV_KFN(decode_tile_keys)(void) {
+static inline int PKV_KFN(tile_keys)(void) {
 #if PKV_PVI
     if (pkv_pv_int16()) return PKV_I16_TILE_KEYS;
 #endif

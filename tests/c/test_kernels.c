@@ -150,8 +150,8 @@ static double rtol_of(int dt) { return dt == PKV_F64 ? 1e-12 : 1e-5; }
 
 /* Where path simd rounds the attention weights to int16 for P.V of int8
  * values (pkv_quantizes_weights, attn_pvdot.h), the bound that rounding
- * adds, as a fraction of max|v|: (keys of a tile) / 65534, decode's tile
- * there (PKV_I16_TILE_KEYS) being the longer one (prefill's: 64) */
+ * adds, as a fraction of max|v|: (keys of a tile) / 65534, decode's and
+ * prefill's tile there being PKV_I16_TILE_KEYS */
 static double weights_tol(const config *c, int simd) {
     return pkv_quantizes_weights(c->st, c->dt, simd) ? pkv_tile_blocks(c->bs, PKV_I16_TILE_KEYS) * c->bs / 65534.0 : 0.0;
 }
