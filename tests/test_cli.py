@@ -323,3 +323,44 @@ def test_prefill_target_at_each_thread_count():
     rows = [line for line in format_targets(t).splitlines() if line.startswith("prefill causal")]
     assert len(rows) == 2 and "1.50x" in rows[0] and "1.75x" in rows[1]
     assert compute_targets([], types.SimpleNamespace(threads=[1]))["prefill"] == []
+
+
+@pytest.mark.parametrize("rewarm", [False, True])
+def test_measure_rewarm_runs_one_untimed_call_before_each_sample(rewarm):
+    """With rewarm, every sample is preceded by one call of the same implementation that the
+    sample does not time (the decode suite: each sample then starts on its own data); without
+    it the samples follow each other as before.  The log records (name, calls) per run."""
+    from pagedkv.benchmarks.common import Settings
+    from pagedkv.benchmarks.timing import Impl, measure
+
+    log = []
+
+    def runner(name):
+        return lambda n: log.append((name, n))
+
+    impls = {"a": Impl(runner("a"), inner=3), "b": Impl(runner("b"), inner=2)}
+    settings = Settings(threads=[1], dtypes=["float32"], gap=0.0)
+    timings = measure(impls, settings, repeats=3, rewarm=rewarm)
+    assert [len(timings[n].samples) for n in "ab"] == [3, 3]
+    warm = [("a", 1), ("b", 1)]               # measure's own warm-up, once
+    rounds = [["a", "b"], ["b", "a"], ["a", "b"]]
+    want = warm + [(n, 1) if rewarm and i == 0 else (n, impls[n].inner)
+                   for order in rounds for n in order for i in range(2 if rewarm else 1)]
+    assert log == want
+
+
+def test_bench_decode_rewarms_every_sample(tmp_path, monkeypatch):
+    """Both of the decode suite's timings (the configurations and the decode in L2) ask measure
+    for the untimed call before each sample."""
+    from pagedkv.benchmarks import decode, timing
+
+    seen = []
+
+    def spy(impls, settings, **kw):
+        seen.append(kw.get("rewarm"))
+        return timing.measure(impls, settings, **kw)
+
+    monkeypatch.setattr(decode, "measure", spy)
+    _bench(tmp_path, "--suites", "decode", "--threads", "1", "--dtypes", "f32",
+           "--kv-dtypes", "none", "--no-torch")
+    assert len(seen) >= 3 and all(r is True for r in seen)

@@ -326,7 +326,7 @@ def run(settings: Settings) -> List[dict]:
                             ThreadScope(t, torch):
                         first = timed_once(impls)   # warm-up, and the outputs to check
                         errors = _verify(case, impls)
-                        timings = measure(impls, settings, prior=first)
+                        timings = measure(impls, settings, prior=first, rewarm=True)
                     recs.append(_record(settings, case, t, timings, errors,
                                         skipped=[GATHER] if skip_gather else []))
     recs.extend(run_l2(settings))
@@ -569,7 +569,7 @@ def run_l2(settings: Settings) -> List[dict]:
                 with ThreadScope(1):
                     first = timed_once(impls)
                     errors = case.verify()
-                    timings = measure(impls, settings, prior=first)
+                    timings = measure(impls, settings, prior=first, rewarm=True)
 
                 def figures(name, tm) -> dict:
                     e = case.entries[name]

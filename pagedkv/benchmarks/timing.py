@@ -10,6 +10,15 @@
   sample lasts about ``target`` seconds (1 for calls that are already longer).
   Per-call time = sample time / inner.
 * Before the rounds, every implementation runs ``warmup`` untimed calls.
+  With ``rewarm`` (the decode suite) each sample is also preceded by one
+  untimed call, so that every sample times calls on data as warm as the
+  machine keeps it.  Without it the first call of a sample re-read what the
+  implementation timed before it had evicted; where a sample is a few calls
+  long (--quick) that weighed on whichever of a pair ran first in a round, and
+  the median over an odd number of rounds took that side (decode over
+  bfloat16 storage, B=8 L=2048, one thread, samples of 4 calls on a pool that
+  fits the L3: 4.8 ms a call after another implementation's sample, 3.35 ms
+  after its own pattern read's).
 * Reported: the median per-call time over the rounds (plus min and max), and
   for each baseline the *paired* ratio: the median over rounds of
   (baseline time / pagedkv time) measured in the same round.
@@ -125,11 +134,13 @@ def timed_once(impls: Dict[str, Impl]) -> Dict[str, float]:
 
 
 def measure(impls: Dict[str, Impl], settings, repeats: Optional[int] = None,
-            warmup: int = 1, prior: Optional[Dict[str, float]] = None) -> Dict[str, Timing]:
+            warmup: int = 1, prior: Optional[Dict[str, float]] = None,
+            rewarm: bool = False) -> Dict[str, Timing]:
     """Interleaved timing of every implementation (see the module docstring).
 
     `settings`: a ``common.Settings`` (repeats, target, gap, budget).  `prior`: seconds of
     one call already made (it then replaces the warm-up and the first calibration call).
+    `rewarm`: one untimed call before every sample (see the module docstring).
     When a configuration has used more than ``settings.budget`` seconds after at least 3
     rounds, the remaining rounds are dropped (and a note says so)."""
     repeats = settings.repeats if repeats is None else repeats
@@ -155,6 +166,8 @@ def measure(impls: Dict[str, Impl], settings, repeats: Optional[int] = None,
                 pause = max(pause, prev.cooldown)
             if pause:
                 time.sleep(pause)
+            if rewarm:
+                _timed(impls[name], 1)
             samples[name].append(_timed(impls[name], inner[name]) / inner[name])
             prev = impls[name]
         if (settings.budget is not None and r + 1 >= min(3, repeats) and r + 1 < repeats
