@@ -342,10 +342,12 @@ def test_measure_rewarm_runs_one_untimed_call_before_each_sample(rewarm):
     settings = Settings(threads=[1], dtypes=["float32"], gap=0.0)
     timings = measure(impls, settings, repeats=3, rewarm=rewarm)
     assert [len(timings[n].samples) for n in "ab"] == [3, 3]
-    warm = [("a", 1), ("b", 1)]               # measure's own warm-up, once
-    rounds = [["a", "b"], ["b", "a"], ["a", "b"]]
-    want = warm + [(n, 1) if rewarm and i == 0 else (n, impls[n].inner)
-                   for order in rounds for n in order for i in range(2 if rewarm else 1)]
+    want = [("a", 1), ("b", 1)]               # measure's own warm-up, once
+    for order in (["a", "b"], ["b", "a"], ["a", "b"]):
+        for n in order:
+            if rewarm:
+                want.append((n, 1))           # the untimed call
+            want.append((n, impls[n].inner))  # the sample
     assert log == want
 
 
