@@ -11,14 +11,10 @@
   Per-call time = sample time / inner.
 * Before the rounds, every implementation runs ``warmup`` untimed calls.
   With ``rewarm`` (the decode suite) each sample is also preceded by one
-  untimed call, so that every sample times calls on data as warm as the
-  machine keeps it.  Without it the first call of a sample re-read what the
-  implementation timed before it had evicted; where a sample is a few calls
-  long (--quick) that weighed on whichever of a pair ran first in a round, and
-  the median over an odd number of rounds took that side (decode over
-  bfloat16 storage, B=8 L=2048, one thread, samples of 4 calls on a pool that
-  fits the L3: 4.8 ms a call after another implementation's sample, 3.35 ms
-  after its own pattern read's).
+  untimed call, so that a sample's first call does not pay for re-reading
+  what the implementation timed before it evicted (which, in samples of a
+  few calls, favoured whichever of a pair ran second; measurements in
+  benchmarks/README.md).
 * Reported: the median per-call time over the rounds (plus min and max), and
   for each baseline the *paired* ratio: the median over rounds of
   (baseline time / pagedkv time) measured in the same round.
